@@ -1,0 +1,51 @@
+"""pipetrain: pipeline-parallel training for PyTorch.
+
+``pipetrain.plan`` (schedules, validation, simulation) is pure Python. The runtime names below
+need torch and are imported lazily, so ``import pipetrain.plan`` works where torch is absent.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "PipelineStage": "pipetrain.stage",
+    "PipelineScheduleRuntime": "pipetrain.runtime",
+    "PipelineScheduleSingle": "pipetrain.schedules",
+    "PipelineScheduleMulti": "pipetrain.schedules",
+    "ScheduleGPipe": "pipetrain.schedules",
+    "Schedule1F1B": "pipetrain.schedules",
+    "ScheduleInterleaved1F1B": "pipetrain.schedules",
+    "ScheduleFlexibleInterleaved1F1B": "pipetrain.schedules",
+    "ScheduleLoopedBFS": "pipetrain.schedules",
+    "ScheduleInterleavedZeroBubble": "pipetrain.schedules",
+    "ScheduleZBVZeroBubble": "pipetrain.schedules",
+    "ScheduleDualPipeV": "pipetrain.schedules",
+    "ScheduleZBH1": "pipetrain.schedules",
+    "ScheduleZBH2": "pipetrain.schedules",
+    "ScheduleForwardOnly": "pipetrain.schedules",
+    "get_schedule_class": "pipetrain.schedules",
+    "LocalPipeline": "pipetrain.local",
+    "split_args_kwargs_into_chunks": "pipetrain.microbatch",
+    "merge_chunks": "pipetrain.microbatch",
+    "TensorChunkSpec": "pipetrain.microbatch",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+if TYPE_CHECKING:  # pragma: no cover
+    from pipetrain.local import LocalPipeline
+    from pipetrain.runtime import PipelineScheduleRuntime
+    from pipetrain.stage import PipelineStage
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pipetrain' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

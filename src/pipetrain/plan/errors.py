@@ -1,0 +1,11 @@
+"""The one exception the planning layer raises for bad schedules and bad input."""
+
+from __future__ import annotations
+
+
+class ScheduleError(ValueError):
+    """A schedule, action string or planning request that cannot be honoured.
+
+    The message names what is wrong (rank, step, action, stage, constraint) so that a
+    user can fix the input without reading a traceback.
+    """

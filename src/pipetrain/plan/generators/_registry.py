@@ -1,0 +1,75 @@
+"""The registry behind ``build_schedule`` and ``schedule_names``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pipetrain.plan.errors import ScheduleError
+from pipetrain.plan.schedule import Schedule
+
+Builder = Callable[[int, int, int | None], Schedule]
+"""``builder(num_ranks, num_microbatches, stages_per_rank)`` -> compute-only Schedule."""
+
+
+@dataclass(frozen=True)
+class ScheduleFamily:
+    """A named generator. ``placement`` is "loop" or "v"; ``split_backward`` means it emits I and W."""
+
+    name: str
+    build: Builder
+    placement: str
+    split_backward: bool
+    aliases: tuple[str, ...] = ()
+    summary: str = ""
+
+
+_FAMILIES: dict[str, ScheduleFamily] = {}
+_LOOKUP: dict[str, str] = {}
+
+
+def register(family: ScheduleFamily) -> ScheduleFamily:
+    for key in (family.name, *family.aliases):
+        folded = key.lower()
+        if folded in _LOOKUP and _LOOKUP[folded] != family.name:
+            raise ValueError(f"schedule name {key!r} registered twice")
+        _LOOKUP[folded] = family.name
+    _FAMILIES[family.name] = family
+    return family
+
+
+def family(name: str) -> ScheduleFamily:
+    """Look a schedule family up by name or alias, case-insensitively."""
+    if not isinstance(name, str):
+        raise ScheduleError(f"a schedule name must be a string, not {type(name).__name__}")
+    canonical = _LOOKUP.get(name.strip().lower())
+    if canonical is None:
+        raise ScheduleError(f"unknown schedule {name!r}; known schedules: {', '.join(_FAMILIES)}")
+    return _FAMILIES[canonical]
+
+
+def schedule_names() -> list[str]:
+    """Canonical names of every registered schedule, in registration order."""
+    return list(_FAMILIES)
+
+
+def build_schedule(
+    name: str, num_ranks: int, num_microbatches: int, stages_per_rank: int | None = None
+) -> Schedule:
+    """Build the compute-only schedule ``name`` for the given sizes.
+
+    ``stages_per_rank`` defaults to what the schedule needs (1 for single-stage schedules,
+    2 for interleaved and V-shaped ones). Raises :class:`ScheduleError` naming the constraint
+    when the sizes make no sense for the schedule.
+    """
+    fam = family(name)
+    for label, value in (("num_ranks", num_ranks), ("num_microbatches", num_microbatches)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ScheduleError(f"{fam.name}: {label} must be an integer >= 1, got {value!r}")
+    if stages_per_rank is not None and (
+        isinstance(stages_per_rank, bool) or not isinstance(stages_per_rank, int) or stages_per_rank < 1
+    ):
+        raise ScheduleError(f"{fam.name}: stages_per_rank must be an integer >= 1, got {stages_per_rank!r}")
+    schedule = fam.build(num_ranks, num_microbatches, stages_per_rank)
+    schedule.name = fam.name
+    return schedule

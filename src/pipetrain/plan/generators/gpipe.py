@@ -1,0 +1,26 @@
+"""GPipe (Huang et al., 2019): every forward of every microbatch, then every backward.
+
+Simple and bubble-heavy: (p-1)/(m+p-1) idle at F=1, B=2, and each rank holds all m
+microbatches' activations at its peak.
+"""
+
+from __future__ import annotations
+
+from pipetrain.plan.generators._common import B, F, Program, loop_placement, make_schedule, require
+from pipetrain.plan.generators._registry import ScheduleFamily, register
+from pipetrain.plan.schedule import Schedule
+
+NAME = "GPipe"
+
+
+def build(num_ranks: int, num_microbatches: int, stages_per_rank: int | None) -> Schedule:
+    require(stages_per_rank in (None, 1), NAME, f"one stage per rank (got stages_per_rank={stages_per_rank}); use LoopedBFS for several")
+    programs: dict[int, Program] = {}
+    for rank in range(num_ranks):
+        program: Program = [F(rank, m) for m in range(num_microbatches)]
+        program += [B(rank, m) for m in range(num_microbatches)]
+        programs[rank] = program
+    return make_schedule(programs, loop_placement(num_ranks, 1), num_microbatches)
+
+
+register(ScheduleFamily(NAME, build, placement="loop", split_backward=False, summary="all forwards, then all backwards"))

@@ -1,0 +1,319 @@
+"""Schedule: which rank runs which action at which step, plus the layout of stages on ranks.
+
+The same object describes a compute-only schedule (F, B, I, W, OVERLAP_F_B) as produced by a
+generator and a lowered one (with SEND/RECV, UNSHARD/RESHARD and REDUCE_GRAD added by passes).
+It reads and writes torch.distributed.pipelining's CSV format and a JSON form of its own.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from pipetrain.plan.actions import Action
+from pipetrain.plan.errors import ScheduleError
+
+__all__ = ["Schedule"]
+
+_JSON_FORMAT = "pipetrain.schedule"
+_JSON_VERSION = 1
+
+
+class Schedule:
+    """Per-rank action lists and the stage placement they imply.
+
+    ``actions[rank][step]`` is an :class:`Action` or None (an idle step). Sizes that are not
+    given are inferred: ``num_ranks`` from the keys, ``num_stages`` and ``num_microbatches``
+    from the largest indices used, ``stage_to_rank`` from the rank that names each stage.
+    A stage named on two ranks is rejected at once (its placement would be undefined).
+    """
+
+    __slots__ = ("_actions", "num_ranks", "num_stages", "num_microbatches", "stage_to_rank", "name")
+
+    def __init__(
+        self,
+        actions: Mapping[int, Sequence[Action | None]],
+        *,
+        num_stages: int | None = None,
+        num_microbatches: int | None = None,
+        stage_to_rank: Mapping[int, int] | None = None,
+        name: str = "",
+    ) -> None:
+        ranks = sorted(actions)
+        if ranks != list(range(len(ranks))):
+            raise ScheduleError(f"ranks must be numbered 0..{len(ranks) - 1} without gaps, got {ranks}")
+        if not ranks:
+            raise ScheduleError("a schedule needs at least one rank")
+        self._actions: dict[int, list[Action | None]] = {r: list(actions[r]) for r in ranks}
+        self.num_ranks: int = len(ranks)
+        self.name: str = name
+
+        seen: dict[int, int] = {}
+        max_stage = -1
+        max_mb = -1
+        for rank in ranks:
+            for step, action in enumerate(self._actions[rank]):
+                if action is None:
+                    continue
+                if not isinstance(action, Action):
+                    raise ScheduleError(
+                        f"rank {rank}, step {step}: expected an Action or None, got {type(action).__name__} {action!r}"
+                    )
+                for part in action.parts:
+                    owner = seen.setdefault(part.stage, rank)
+                    if owner != rank:
+                        raise ScheduleError(
+                            f"rank {rank}, step {step}, action {action}: stage {part.stage} already runs on rank {owner}; "
+                            "each stage lives on exactly one rank"
+                        )
+                    max_stage = max(max_stage, part.stage)
+                    if part.microbatch is not None:
+                        max_mb = max(max_mb, part.microbatch)
+
+        if stage_to_rank is not None:
+            placement = {int(s): int(r) for s, r in stage_to_rank.items()}
+            for stage, rank in seen.items():
+                if placement.get(stage) != rank:
+                    raise ScheduleError(
+                        f"stage {stage} appears on rank {rank} but stage_to_rank places it on rank {placement.get(stage)}"
+                    )
+            for stage, rank in placement.items():
+                if not 0 <= rank < self.num_ranks:
+                    raise ScheduleError(f"stage_to_rank places stage {stage} on rank {rank}, but there are {self.num_ranks} ranks")
+        else:
+            placement = dict(seen)
+        if num_stages is None:
+            num_stages = max(max(placement, default=-1), max_stage) + 1
+        if num_microbatches is None:
+            num_microbatches = max_mb + 1
+        if max_stage >= num_stages:
+            raise ScheduleError(f"an action names stage {max_stage}, but the schedule has {num_stages} stages")
+        if max_mb >= num_microbatches:
+            raise ScheduleError(f"an action names microbatch {max_mb}, but the schedule has {num_microbatches} microbatches")
+        missing = [s for s in range(num_stages) if s not in placement]
+        if missing:
+            raise ScheduleError(f"stages {missing} are not placed on any rank (no action names them)")
+        extra = [s for s in placement if not 0 <= s < num_stages]
+        if extra:
+            raise ScheduleError(f"stage_to_rank names stages {extra} outside 0..{num_stages - 1}")
+        self.num_stages: int = num_stages
+        self.num_microbatches: int = num_microbatches
+        self.stage_to_rank: dict[int, int] = dict(sorted(placement.items()))
+
+    # ------------------------------------------------------------------ views
+    @property
+    def actions(self) -> dict[int, list[Action | None]]:
+        """``{rank: [Action | None, ...]}`` in execution order."""
+        return self._actions
+
+    @property
+    def num_steps(self) -> int:
+        """Length of the longest rank program (the number of CSV columns)."""
+        return max((len(a) for a in self._actions.values()), default=0)
+
+    @property
+    def is_lowered(self) -> bool:
+        """True when any rank program holds SEND/RECV, UNSHARD/RESHARD or REDUCE_GRAD."""
+        return any(a is not None and not a.kind.is_compute for a in self.iter_actions())
+
+    def stages_of(self, rank: int) -> list[int]:
+        """Stages held by ``rank``, in increasing order."""
+        return [s for s, r in self.stage_to_rank.items() if r == rank]
+
+    def iter_actions(self) -> Iterator[Action | None]:
+        for rank in range(self.num_ranks):
+            yield from self._actions[rank]
+
+    def __len__(self) -> int:
+        return sum(1 for a in self.iter_actions() if a is not None)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Schedule):
+            return NotImplemented
+        return (
+            self.num_ranks == other.num_ranks
+            and self.num_stages == other.num_stages
+            and self.num_microbatches == other.num_microbatches
+            and self.stage_to_rank == other.stage_to_rank
+            and self._actions == other._actions
+        )
+
+    __hash__ = None  # type: ignore[assignment]  # mutable lists inside
+
+    def __repr__(self) -> str:
+        label = f"{self.name} " if self.name else ""
+        return (
+            f"<Schedule {label}ranks={self.num_ranks} stages={self.num_stages} "
+            f"microbatches={self.num_microbatches} steps={self.num_steps}{' lowered' if self.is_lowered else ''}>"
+        )
+
+    def replace(self, actions: Mapping[int, Sequence[Action | None]], *, name: str | None = None) -> Schedule:
+        """A schedule with the same sizes and placement but other rank programs (used by passes)."""
+        return Schedule(
+            actions,
+            num_stages=self.num_stages,
+            num_microbatches=self.num_microbatches,
+            stage_to_rank=self.stage_to_rank,
+            name=self.name if name is None else name,
+        )
+
+    # ------------------------------------------------------------- checking
+    def validate(self) -> None:
+        """Raise :class:`ScheduleError` naming rank, step, action and rule if this cannot run."""
+        from pipetrain.plan.validate import validate
+
+        validate(self)
+
+    def lower(self, **options: Any) -> Schedule:
+        """Return the lowered schedule (SEND/RECV, optional FSDP and grad-reduction actions).
+
+        See :func:`pipetrain.plan.lower.lower` for the options.
+        """
+        from pipetrain.plan.lower import lower
+
+        return lower(self, **options)
+
+    # ------------------------------------------------------------ text grid
+    def format(self, *, max_steps: int | None = None) -> str:
+        """A steps × ranks grid, one row per step, one column per rank."""
+        steps = self.num_steps if max_steps is None else min(self.num_steps, max_steps)
+        header = ["step"] + [f"rank {r}" for r in range(self.num_ranks)]
+        rows = [header]
+        for step in range(steps):
+            row = [str(step)]
+            for rank in range(self.num_ranks):
+                program = self._actions[rank]
+                action = program[step] if step < len(program) else None
+                row.append("" if action is None else str(action))
+            rows.append(row)
+        widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+        if steps < self.num_steps:
+            lines.append(f"... {self.num_steps - steps} more steps")
+        return "\n".join(lines)
+
+    # ------------------------------------------------------------------ CSV
+    def to_csv_text(self) -> str:
+        buf = io.StringIO()
+        writer = csv.writer(buf)
+        for rank in range(self.num_ranks):
+            writer.writerow(["" if a is None else str(a) for a in self._actions[rank]])
+        return buf.getvalue()
+
+    def to_csv(self, path: str | os.PathLike[str]) -> None:
+        """Write torch's CSV format: one row per rank, one cell per step, empty = idle."""
+        with open(path, "w", newline="", encoding="utf-8") as fh:
+            fh.write(self.to_csv_text())
+
+    @classmethod
+    def from_csv_text(cls, text: str, *, name: str = "") -> Schedule:
+        """Parse torch's CSV format; sizes and placement are inferred."""
+        if "\x00" in text:
+            raise ScheduleError("CSV contains a NUL byte; is this a schedule file?")
+        try:
+            rows = list(csv.reader(io.StringIO(text, newline="")))
+        except csv.Error as err:
+            raise ScheduleError(f"malformed CSV: {err}") from None
+        if not rows:
+            raise ScheduleError("the CSV holds no rows; expected one row per rank")
+        actions: dict[int, list[Action | None]] = {}
+        for rank, row in enumerate(rows):
+            parsed: list[Action | None] = []
+            for step, cell in enumerate(row):
+                try:
+                    parsed.append(Action.parse(cell))
+                except ScheduleError as err:
+                    raise ScheduleError(f"rank {rank}, step {step}: {err}") from None
+            actions[rank] = parsed
+        return cls(actions, name=name)
+
+    @classmethod
+    def from_csv(cls, path: str | os.PathLike[str]) -> Schedule:
+        """Read a CSV written by :meth:`to_csv` or by torch's ``_dump_csv``."""
+        try:
+            with open(path, newline="", encoding="utf-8") as fh:
+                text = fh.read()
+        except UnicodeDecodeError as err:
+            raise ScheduleError(f"{os.fspath(path)}: not a UTF-8 text file ({err.reason})") from None
+        except OSError as err:
+            raise ScheduleError(f"cannot read {os.fspath(path)}: {err.strerror or err}") from None
+        return cls.from_csv_text(text, name=os.path.splitext(os.path.basename(os.fspath(path)))[0])
+
+    # ----------------------------------------------------------------- JSON
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": _JSON_FORMAT,
+            "version": _JSON_VERSION,
+            "name": self.name,
+            "num_ranks": self.num_ranks,
+            "num_stages": self.num_stages,
+            "num_microbatches": self.num_microbatches,
+            "stage_to_rank": {str(s): r for s, r in self.stage_to_rank.items()},
+            "actions": {str(r): [None if a is None else str(a) for a in self._actions[r]] for r in range(self.num_ranks)},
+        }
+
+    def to_json(self, path: str | os.PathLike[str] | None = None, *, indent: int | None = None) -> str:
+        """The JSON text; also written to ``path`` when one is given."""
+        text = json.dumps(self.to_dict(), indent=indent)
+        if path is not None:
+            with open(path, "w", encoding="utf-8") as fh:
+                fh.write(text + "\n")
+        return text
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Schedule:
+        if not isinstance(data, Mapping) or data.get("format") != _JSON_FORMAT:
+            raise ScheduleError(f"not a pipetrain schedule: expected an object with \"format\": \"{_JSON_FORMAT}\"")
+        try:
+            raw_actions = data["actions"]
+            actions: dict[int, list[Action | None]] = {}
+            for rank_text, cells in raw_actions.items():
+                rank = int(rank_text)
+                parsed: list[Action | None] = []
+                for step, cell in enumerate(cells):
+                    if cell is None:
+                        parsed.append(None)
+                        continue
+                    try:
+                        parsed.append(Action.parse(cell))
+                    except ScheduleError as err:
+                        raise ScheduleError(f"rank {rank}, step {step}: {err}") from None
+                actions[rank] = parsed
+            placement = data.get("stage_to_rank")
+            return cls(
+                actions,
+                num_stages=data.get("num_stages"),
+                num_microbatches=data.get("num_microbatches"),
+                stage_to_rank=None if placement is None else {int(s): int(r) for s, r in placement.items()},
+                name=str(data.get("name", "")),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            if isinstance(err, ScheduleError):
+                raise
+            raise ScheduleError(f"malformed schedule JSON: {err!r}") from None
+
+    @classmethod
+    def from_json(cls, source: str | os.PathLike[str]) -> Schedule:
+        """Read a schedule from a JSON file path (or from JSON text starting with '{')."""
+        text = str(source)
+        if not text.lstrip().startswith("{"):
+            try:
+                with open(source, encoding="utf-8") as fh:
+                    text = fh.read()
+            except (OSError, UnicodeDecodeError) as err:
+                raise ScheduleError(f"cannot read {os.fspath(source)}: {err}") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ScheduleError(f"malformed schedule JSON: {err}") from None
+        return cls.from_dict(data)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Schedule:
+        """Read a ``.json`` or ``.csv`` schedule file by its extension."""
+        return cls.from_json(path) if os.fspath(path).lower().endswith(".json") else cls.from_csv(path)
+
