@@ -1,0 +1,27 @@
+"""Argument helpers shared by the sub-commands."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from pipetrain.plan.errors import ScheduleError
+from pipetrain.plan.generators import build_schedule
+from pipetrain.plan.schedule import Schedule
+
+
+def add_size_arguments(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
+    parser.add_argument("--ranks", "-p", type=int, required=required, help="number of pipeline ranks P")
+    parser.add_argument("--microbatches", "-m", type=int, required=required, help="number of microbatches M")
+    parser.add_argument(
+        "--stages-per-rank", "-v", type=int, default=None, help="stages per rank (default: what the schedule needs)"
+    )
+
+
+def schedule_from_args(source: str, args: argparse.Namespace) -> Schedule:
+    """A schedule named on the command line, or read from a .csv / .json file."""
+    if source.lower().endswith((".csv", ".json")) or os.path.sep in source:
+        return Schedule.load(source)
+    if args.ranks is None or args.microbatches is None:
+        raise ScheduleError(f"building {source!r} needs --ranks and --microbatches")
+    return build_schedule(source, args.ranks, args.microbatches, args.stages_per_rank)

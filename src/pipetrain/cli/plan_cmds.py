@@ -1,0 +1,74 @@
+"""``pipetrain show``, ``export`` and ``validate``: look at schedules and check files."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from pipetrain.cli.common import add_size_arguments, schedule_from_args
+from pipetrain.plan.errors import ScheduleError
+from pipetrain.plan.generators import schedule_names
+from pipetrain.plan.schedule import Schedule
+
+
+def register(subparsers: Any) -> None:
+    names = ", ".join(schedule_names())
+    show = subparsers.add_parser("show", help="print a schedule as a steps × ranks grid")
+    show.add_argument("schedule", help=f"schedule name ({names}) or a .csv/.json file")
+    add_size_arguments(show, required=False)
+    show.add_argument("--lowered", action="store_true", help="show with SEND/RECV actions added")
+    show.set_defaults(func=_show)
+
+    export = subparsers.add_parser("export", help="write a schedule as torch-format CSV or JSON")
+    export.add_argument("schedule", help=f"schedule name ({names}) or a .csv/.json file")
+    add_size_arguments(export, required=False)
+    export.add_argument("--lowered", action="store_true", help="export with SEND/RECV actions added")
+    target = export.add_mutually_exclusive_group(required=True)
+    target.add_argument("--csv", metavar="FILE", help="write torch's CSV format (one row per rank)")
+    target.add_argument("--json", metavar="FILE", help="write pipetrain's JSON format")
+    export.set_defaults(func=_export)
+
+    validate = subparsers.add_parser("validate", help="check a CSV/JSON schedule; exit 1 with the reason if broken")
+    validate.add_argument("file", help="schedule file (.csv in torch's format, or .json)")
+    validate.set_defaults(func=_validate)
+
+
+def _load(args: argparse.Namespace) -> Schedule:
+    schedule = schedule_from_args(args.schedule, args)
+    schedule.validate()
+    return schedule.lower() if args.lowered else schedule
+
+
+def _show(args: argparse.Namespace) -> int:
+    schedule = _load(args)
+    print(
+        f"{schedule.name or 'schedule'}: {schedule.num_ranks} ranks, {schedule.num_stages} stages, "
+        f"{schedule.num_microbatches} microbatches, {schedule.num_steps} steps{' (lowered)' if args.lowered else ''}"
+    )
+    print(schedule.format())
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    schedule = _load(args)
+    if args.csv:
+        schedule.to_csv(args.csv)
+        print(f"wrote {args.csv}")
+    else:
+        schedule.to_json(args.json, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _validate(args: argparse.Namespace) -> int:
+    try:
+        schedule = Schedule.load(args.file)
+        schedule.validate()
+    except ScheduleError as err:
+        raise ScheduleError(f"{args.file}: {err}") from None
+    kind = "lowered" if schedule.is_lowered else "compute-only"
+    print(
+        f"{args.file}: valid {kind} schedule, {schedule.num_ranks} ranks, {schedule.num_stages} stages, "
+        f"{schedule.num_microbatches} microbatches"
+    )
+    return 0
