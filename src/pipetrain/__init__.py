@@ -7,7 +7,7 @@ need torch and are imported lazily, so ``import pipetrain.plan`` works where tor
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 __version__ = "0.1.0"
 
@@ -35,11 +35,6 @@ _LAZY = {
 }
 
 __all__ = ["__version__", *_LAZY]
-
-if TYPE_CHECKING:  # pragma: no cover
-    from pipetrain.local import LocalPipeline
-    from pipetrain.runtime import PipelineScheduleRuntime
-    from pipetrain.stage import PipelineStage
 
 
 def __getattr__(name: str) -> Any:

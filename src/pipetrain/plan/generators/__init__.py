@@ -15,7 +15,7 @@ from pipetrain.plan.generators._registry import (
 )
 
 # Importing a family module registers it; the order here is the order of schedule_names().
-from pipetrain.plan.generators import (  # noqa: E402,F401  isort: skip
+from pipetrain.plan.generators import (  # noqa: F401  isort: skip
     gpipe,
 )
 

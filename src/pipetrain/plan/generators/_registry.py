@@ -53,9 +53,7 @@ def schedule_names() -> list[str]:
     return list(_FAMILIES)
 
 
-def build_schedule(
-    name: str, num_ranks: int, num_microbatches: int, stages_per_rank: int | None = None
-) -> Schedule:
+def build_schedule(name: str, num_ranks: int, num_microbatches: int, stages_per_rank: int | None = None) -> Schedule:
     """Build the compute-only schedule ``name`` for the given sizes.
 
     ``stages_per_rank`` defaults to what the schedule needs (1 for single-stage schedules,

@@ -14,7 +14,11 @@ NAME = "GPipe"
 
 
 def build(num_ranks: int, num_microbatches: int, stages_per_rank: int | None) -> Schedule:
-    require(stages_per_rank in (None, 1), NAME, f"one stage per rank (got stages_per_rank={stages_per_rank}); use LoopedBFS for several")
+    require(
+        stages_per_rank in (None, 1),
+        NAME,
+        f"one stage per rank (got stages_per_rank={stages_per_rank}); use LoopedBFS for several",
+    )
     programs: dict[int, Program] = {}
     for rank in range(num_ranks):
         program: Program = [F(rank, m) for m in range(num_microbatches)]
@@ -23,4 +27,6 @@ def build(num_ranks: int, num_microbatches: int, stages_per_rank: int | None) ->
     return make_schedule(programs, loop_placement(num_ranks, 1), num_microbatches)
 
 
-register(ScheduleFamily(NAME, build, placement="loop", split_backward=False, summary="all forwards, then all backwards"))
+register(
+    ScheduleFamily(NAME, build, placement="loop", split_backward=False, summary="all forwards, then all backwards")
+)
