@@ -15,7 +15,11 @@ from pipetrain.errors import PipelineError
 from pipetrain.plan.errors import ScheduleError
 
 # Modules holding sub-commands, in the order their commands appear in --help.
-_COMMAND_MODULES = ("pipetrain.cli.plan_cmds",)
+_COMMAND_MODULES = (
+    "pipetrain.cli.plan_cmds",
+    "pipetrain.cli.auto_cmds",
+    "pipetrain.cli.train_cmd",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

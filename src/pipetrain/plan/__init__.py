@@ -2,21 +2,32 @@
 
 Schedules as data (:class:`Schedule` of :class:`Action`), a generator for every known schedule,
 validation that rejects broken or deadlocking schedules before they run, lowering passes, a
-cost-model simulator, timeline renderers and an auto-planner.
+cost-model simulator, timelines and an auto-planner.
 """
 
 from __future__ import annotations
 
 from pipetrain.plan.actions import Action, ActionKind
+from pipetrain.plan.costs import Costs
 from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.generators import build_schedule, schedule_names
 from pipetrain.plan.schedule import Schedule
+from pipetrain.plan.search import auto_schedule, rank_schedules
+from pipetrain.plan.simulate import SimResult, simulate
+from pipetrain.plan.timeline import Timeline, TimelineEvent
 
 __all__ = [
     "Action",
     "ActionKind",
+    "Costs",
     "Schedule",
     "ScheduleError",
+    "SimResult",
+    "Timeline",
+    "TimelineEvent",
+    "auto_schedule",
     "build_schedule",
+    "rank_schedules",
     "schedule_names",
+    "simulate",
 ]

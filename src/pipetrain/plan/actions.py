@@ -67,7 +67,7 @@ _SIMPLE_RE = re.compile(rf"([0-9]+)({_KIND_PATTERN})([0-9]*)")
 _OVERLAP_SUFFIX = ")" + ActionKind.OVERLAP_F_B.value
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class Action:
     """One step of one rank's program.
 
@@ -80,7 +80,36 @@ class Action:
     microbatch: int | None = None
     sub_actions: tuple[Action, ...] | None = None
 
-    def __post_init__(self) -> None:
+    def __init__(
+        self,
+        stage: int,
+        kind: ActionKind,
+        microbatch: int | None = None,
+        sub_actions: tuple[Action, ...] | None = None,
+    ) -> None:
+        # Schedules hold hundreds of thousands of actions: set the slots directly and take the
+        # full checks only off the common path (plain action with a microbatch).
+        _set_stage(self, stage)
+        _set_kind(self, kind)
+        _set_microbatch(self, microbatch)
+        _set_sub_actions(self, sub_actions)
+        if (
+            sub_actions is None
+            and type(stage) is int
+            and type(microbatch) is int
+            and stage >= 0
+            and microbatch >= 0
+            and getattr(kind, "_takes_microbatch", False)
+        ):
+            return
+        self._check()
+
+    def _check(self) -> None:
+        if not isinstance(self.kind, ActionKind):
+            raise ScheduleError(f"action kind must be an ActionKind, not {self.kind!r}")
+        for label, value in (("stage", self.stage), ("microbatch", self.microbatch)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ScheduleError(f"action {label} must be an integer, not {value!r}")
         if self.stage < 0:
             raise ScheduleError(f"action {self._raw()}: stage must be >= 0")
         if self.kind is ActionKind.OVERLAP_F_B:
@@ -88,7 +117,7 @@ class Action:
             if not subs or len(subs) < 2:
                 raise ScheduleError("OVERLAP_F_B needs at least two sub-actions, e.g. (0F7;7B3)OVERLAP_F_B")
             for sub in subs:
-                if not sub.kind.is_compute or sub.kind is ActionKind.OVERLAP_F_B:
+                if not isinstance(sub, Action) or not sub.kind.is_compute or sub.kind is ActionKind.OVERLAP_F_B:
                     raise ScheduleError(f"OVERLAP_F_B may only hold F, B, I or W actions, not {sub}")
             if self.microbatch is not None:
                 raise ScheduleError("OVERLAP_F_B takes no microbatch of its own")
@@ -97,11 +126,15 @@ class Action:
             raise ScheduleError(f"only OVERLAP_F_B carries sub-actions, not {self.kind.value}")
         if self.kind.needs_microbatch:
             if self.microbatch is None:
-                raise ScheduleError(f"action {self._raw()}: {self.kind.value} needs a microbatch, e.g. {self.stage}{self.kind.value}0")
+                raise ScheduleError(
+                    f"action {self._raw()}: {self.kind.value} needs a microbatch, e.g. {self.stage}{self.kind.value}0"
+                )
             if self.microbatch < 0:
                 raise ScheduleError(f"action {self._raw()}: microbatch must be >= 0")
         elif self.microbatch is not None:
-            raise ScheduleError(f"action {self._raw()}: {self.kind.value} takes no microbatch, write {self.stage}{self.kind.value}")
+            raise ScheduleError(
+                f"action {self._raw()}: {self.kind.value} takes no microbatch, write {self.stage}{self.kind.value}"
+            )
 
     def _raw(self) -> str:
         mb = "" if self.microbatch is None else str(self.microbatch)
@@ -167,3 +200,26 @@ class Action:
             return Action(int(stage_text), kind, int(mb_text) if mb_text else None)
         except ScheduleError as err:
             raise ScheduleError(f"cannot parse action {text!r}: {err}") from None
+
+
+# Slot setters for the frozen dataclass (what its generated __init__ would do, minus overhead).
+_set_stage = Action.__dict__["stage"].__set__
+_set_kind = Action.__dict__["kind"].__set__
+_set_microbatch = Action.__dict__["microbatch"].__set__
+_set_sub_actions = Action.__dict__["sub_actions"].__set__
+for _kind in ActionKind:
+    # A plain attribute read is much cheaper than hashing an enum member in the hot path.
+    object.__setattr__(_kind, "_takes_microbatch", _kind in _WITH_MICROBATCH)
+
+
+def make_action(stage: int, kind: ActionKind, microbatch: int | None = None) -> Action:
+    """Build a plain action without checks: for passes that derive actions from checked ones."""
+    action: Action = _new(Action)
+    _set_stage(action, stage)
+    _set_kind(action, kind)
+    _set_microbatch(action, microbatch)
+    _set_sub_actions(action, None)
+    return action
+
+
+_new = object.__new__

@@ -32,7 +32,7 @@ class Schedule:
     A stage named on two ranks is rejected at once (its placement would be undefined).
     """
 
-    __slots__ = ("_actions", "num_ranks", "num_stages", "num_microbatches", "stage_to_rank", "name")
+    __slots__ = ("_actions", "name", "num_microbatches", "num_ranks", "num_stages", "stage_to_rank")
 
     def __init__(
         self,
@@ -83,7 +83,9 @@ class Schedule:
                     )
             for stage, rank in placement.items():
                 if not 0 <= rank < self.num_ranks:
-                    raise ScheduleError(f"stage_to_rank places stage {stage} on rank {rank}, but there are {self.num_ranks} ranks")
+                    raise ScheduleError(
+                        f"stage_to_rank places stage {stage} on rank {rank}, but there are {self.num_ranks} ranks"
+                    )
         else:
             placement = dict(seen)
         if num_stages is None:
@@ -93,7 +95,9 @@ class Schedule:
         if max_stage >= num_stages:
             raise ScheduleError(f"an action names stage {max_stage}, but the schedule has {num_stages} stages")
         if max_mb >= num_microbatches:
-            raise ScheduleError(f"an action names microbatch {max_mb}, but the schedule has {num_microbatches} microbatches")
+            raise ScheduleError(
+                f"an action names microbatch {max_mb}, but the schedule has {num_microbatches} microbatches"
+            )
         missing = [s for s in range(num_stages) if s not in placement]
         if missing:
             raise ScheduleError(f"stages {missing} are not placed on any rank (no action names them)")
@@ -161,6 +165,18 @@ class Schedule:
             name=self.name if name is None else name,
         )
 
+    def _derived(self, actions: dict[int, list[Action | None]], *, name: str | None = None) -> Schedule:
+        """Like :meth:`replace` without re-reading every action: for passes, which only add actions
+        of stages that this schedule already places on the same rank."""
+        out = Schedule.__new__(Schedule)
+        out._actions = actions
+        out.num_ranks = self.num_ranks
+        out.num_stages = self.num_stages
+        out.num_microbatches = self.num_microbatches
+        out.stage_to_rank = dict(self.stage_to_rank)
+        out.name = self.name if name is None else name
+        return out
+
     # ------------------------------------------------------------- checking
     def validate(self) -> None:
         """Raise :class:`ScheduleError` naming rank, step, action and rule if this cannot run."""
@@ -191,7 +207,7 @@ class Schedule:
                 row.append("" if action is None else str(action))
             rows.append(row)
         widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
-        lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=False)).rstrip() for r in rows]
         if steps < self.num_steps:
             lines.append(f"... {self.num_steps - steps} more steps")
         return "\n".join(lines)
@@ -253,7 +269,9 @@ class Schedule:
             "num_stages": self.num_stages,
             "num_microbatches": self.num_microbatches,
             "stage_to_rank": {str(s): r for s, r in self.stage_to_rank.items()},
-            "actions": {str(r): [None if a is None else str(a) for a in self._actions[r]] for r in range(self.num_ranks)},
+            "actions": {
+                str(r): [None if a is None else str(a) for a in self._actions[r]] for r in range(self.num_ranks)
+            },
         }
 
     def to_json(self, path: str | os.PathLike[str] | None = None, *, indent: int | None = None) -> str:
@@ -267,7 +285,7 @@ class Schedule:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Schedule:
         if not isinstance(data, Mapping) or data.get("format") != _JSON_FORMAT:
-            raise ScheduleError(f"not a pipetrain schedule: expected an object with \"format\": \"{_JSON_FORMAT}\"")
+            raise ScheduleError(f'not a pipetrain schedule: expected an object with "format": "{_JSON_FORMAT}"')
         try:
             raw_actions = data["actions"]
             actions: dict[int, list[Action | None]] = {}
@@ -316,4 +334,3 @@ class Schedule:
     def load(cls, path: str | os.PathLike[str]) -> Schedule:
         """Read a ``.json`` or ``.csv`` schedule file by its extension."""
         return cls.from_json(path) if os.fspath(path).lower().endswith(".json") else cls.from_csv(path)
-

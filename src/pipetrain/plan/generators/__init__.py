@@ -17,6 +17,14 @@ from pipetrain.plan.generators._registry import (
 # Importing a family module registers it; the order here is the order of schedule_names().
 from pipetrain.plan.generators import (  # noqa: F401  isort: skip
     gpipe,
+    one_f_one_b,
+    interleaved,
+    looped_bfs,
+    interleaved_zb,
+    zbv,
+    dualpipe_v,
+    zb_h,
+    forward_only,
 )
 
 __all__ = ["ScheduleFamily", "build_schedule", "family", "register", "schedule_names"]

@@ -1,0 +1,78 @@
+"""Split backward cost: time(I) + time(W) against time(B) on one MLP stage.
+
+Target: the ratio stays within 1.15 (the split must not redo work). Run:
+``python benchmarks/split_backward.py [--batch 256] [--width 1024] [--layers 4] [--reps 30]``.
+Steps alternate between B and I+W so both see the same machine state; medians are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from pipetrain.stage import PipelineStage
+
+
+def build(width: int, layers: int) -> torch.nn.Module:
+    mods: list[torch.nn.Module] = []
+    for _ in range(layers):
+        mods += [torch.nn.Linear(width, width), torch.nn.GELU()]
+    return torch.nn.Sequential(*mods)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--first", action="store_true", help="stage inputs need no grad (first stage)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    stage = PipelineStage(build(args.width, args.layers), 1 if not args.first else 0, 2, "cpu")
+    x = torch.randn(args.batch, args.width)
+    grad = torch.randn(args.batch, args.width)
+
+    def run(split: bool) -> tuple[float, float]:
+        inp = x.clone().requires_grad_(not args.first)
+        stage.forward_one_chunk(0, (inp,))
+        t0 = time.perf_counter()
+        if not split:
+            stage.backward_one_chunk(0, grad_outputs=[grad], full=True)
+            return time.perf_counter() - t0, 0.0
+        stage.backward_one_chunk(0, grad_outputs=[grad], full=False)
+        t1 = time.perf_counter()
+        stage.backward_weight_one_chunk(0)
+        return t1 - t0, time.perf_counter() - t1
+
+    for _ in range(3):
+        run(False)
+        run(True)
+    b_times, i_times, w_times = [], [], []
+    for _ in range(args.reps):
+        b_times.append(run(False)[0])
+        i, w = run(True)
+        i_times.append(i)
+        w_times.append(w)
+    b = statistics.median(b_times)
+    i = statistics.median(i_times)
+    w = statistics.median(w_times)
+    iw = statistics.median([a + c for a, c in zip(i_times, w_times, strict=True)])
+    print(
+        f"MLP {args.layers}x Linear({args.width},{args.width})+GELU, batch {args.batch}, {args.threads} thread(s)"
+        f"{', first stage' if args.first else ''}"
+    )
+    print(f"B     {b * 1e3:8.3f} ms")
+    print(f"I     {i * 1e3:8.3f} ms")
+    print(f"W     {w * 1e3:8.3f} ms")
+    print(f"I+W   {iw * 1e3:8.3f} ms")
+    print(f"ratio (I+W)/B = {iw / b:.3f}  (target <= 1.15)")
+
+
+if __name__ == "__main__":
+    main()

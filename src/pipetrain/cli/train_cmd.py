@@ -1,0 +1,117 @@
+"""``pipetrain train``: a small GPT trained across local processes (or torchrun's), pipelined."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+from typing import Any
+
+_DEFAULTS: dict[str, Any] = {
+    "ranks": 2,
+    "schedule": "ZBVZeroBubble",
+    "microbatches": 8,
+    "steps": 40,
+    "batch_size": 16,
+    "seed": 0,
+    "model": "small",
+    "lr": 3e-3,
+}
+
+
+def register(subparsers: Any) -> None:
+    train = subparsers.add_parser(
+        "train",
+        help="train a small GPT across local processes with a pipeline schedule",
+        description=(
+            "Train a small GPT-style language model on the Python standard library's source, pipelined "
+            "across processes. Without torchrun it spawns --ranks local processes (gloo on CPU, NCCL with "
+            "--device cuda); under torchrun it uses torchrun's processes, so it runs across nodes."
+        ),
+    )
+    train.add_argument(
+        "--ranks",
+        type=int,
+        default=None,
+        help=f"pipeline ranks to spawn (default {_DEFAULTS['ranks']}; torchrun's WORLD_SIZE under torchrun)",
+    )
+    train.add_argument(
+        "--stages-per-rank", type=int, default=None, help="stages per rank (default: what the schedule needs)"
+    )
+    train.add_argument(
+        "--schedule",
+        default=_DEFAULTS["schedule"],
+        metavar="NAME|FILE.csv",
+        help="schedule name or a CSV/JSON schedule file (default %(default)s)",
+    )
+    train.add_argument(
+        "--microbatches",
+        type=int,
+        default=_DEFAULTS["microbatches"],
+        help="microbatches per step (default %(default)s)",
+    )
+    train.add_argument("--steps", type=int, default=_DEFAULTS["steps"], help="optimizer steps (default %(default)s)")
+    train.add_argument(
+        "--batch-size", type=int, default=_DEFAULTS["batch_size"], help="sequences per step (default %(default)s)"
+    )
+    train.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (NCCL, one GPU per local rank)"
+    )
+    train.add_argument(
+        "--out", metavar="DIR", default=None, help="where timelines and the summary go (default runs/<timestamp>)"
+    )
+    train.add_argument(
+        "--seed", type=int, default=_DEFAULTS["seed"], help="model init and data order (default %(default)s)"
+    )
+    train.add_argument(
+        "--check", action="store_true", help="also train without pipelining and compare the losses (1e-4 relative)"
+    )
+    train.add_argument(
+        "--model",
+        default=_DEFAULTS["model"],
+        choices=("tiny", "small", "base"),
+        help="model size (default %(default)s)",
+    )
+    train.add_argument("--lr", type=float, default=_DEFAULTS["lr"], help="Adam learning rate (default %(default)s)")
+    train.set_defaults(func=_train)
+
+
+def _train(args: argparse.Namespace) -> int:
+    # torch loads only here, so the planning commands stay torch-free.
+    from pipetrain.errors import PipelineError
+    from pipetrain.train.launch import spawn, torchrun_env
+    from pipetrain.train.loop import TrainConfig, run_rank
+
+    for name in ("ranks", "stages_per_rank", "microbatches", "steps", "batch_size"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise PipelineError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    env = torchrun_env()
+    if env is not None and args.ranks is not None and args.ranks != env.world_size:
+        raise PipelineError(f"--ranks {args.ranks} but torchrun started WORLD_SIZE={env.world_size} processes")
+    ranks = args.ranks
+    if env is None and ranks is None and args.schedule.lower().endswith((".csv", ".json")):
+        from pipetrain.plan.schedule import Schedule
+
+        ranks = Schedule.load(args.schedule).num_ranks
+    out = args.out or f"runs/{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    cfg = TrainConfig(
+        ranks=env.world_size if env is not None else (ranks or _DEFAULTS["ranks"]),
+        stages_per_rank=args.stages_per_rank,
+        schedule=args.schedule,
+        microbatches=args.microbatches,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        device=args.device,
+        out=out,
+        seed=args.seed,
+        check=args.check,
+        model=args.model,
+        lr=args.lr,
+    )
+    if args.batch_size < args.microbatches:
+        raise PipelineError(f"--batch-size {args.batch_size} is smaller than --microbatches {args.microbatches}")
+    if env is not None:
+        run_rank(env, cfg)
+    else:
+        spawn(run_rank, cfg.ranks, cfg)
+    return 0

@@ -1,0 +1,199 @@
+"""Split a batch into microbatches and merge per-microbatch outputs back.
+
+Nested inputs (tuples, lists, dicts, namedtuples, anything registered with torch's pytree) are
+walked with ``torch.utils._pytree``, so the split follows the same structure rules as the rest of
+torch. A chunk spec may be given for a whole argument or as a tree that mirrors the argument (a
+tree *prefix*: one spec for a sub-tree applies to every tensor inside it).
+
+Defaults: tensors split along dim 0 (uneven sizes allowed, like ``torch.tensor_split``: 10 rows
+into 4 gives 3, 3, 2, 2); 0-dim tensors and non-tensor values are given whole to every microbatch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from pipetrain.errors import PipelineError
+
+__all__ = [
+    "REPLICATE",
+    "TensorChunkSpec",
+    "merge_chunks",
+    "split_args_kwargs_into_chunks",
+    "split_into_chunks",
+]
+
+
+@dataclass(frozen=True)
+class TensorChunkSpec:
+    """Split (and merge) a tensor along ``split_dim``."""
+
+    split_dim: int
+
+    def __str__(self) -> str:
+        return f"TensorChunkSpec({self.split_dim})"
+
+
+class _Replicate:
+    """Marker spec: the value is given whole to every microbatch (and not concatenated on merge)."""
+
+    _instance: _Replicate | None = None
+
+    def __new__(cls) -> _Replicate:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "REPLICATE"
+
+    def __reduce__(self) -> str:
+        return "REPLICATE"
+
+
+REPLICATE = _Replicate()
+
+_DEFAULT = TensorChunkSpec(0)
+_Spec = TensorChunkSpec | _Replicate
+
+
+def _leaf_specs(value: Any, spec: Any, name: str) -> list[tuple[str, Any, _Spec]]:
+    """Flatten ``value`` and pair every leaf with its spec (``spec`` is a prefix tree of ``value``)."""
+    leaves_with_path, treespec = pytree.tree_flatten_with_path(value)
+    if spec is None:
+        specs: list[Any] = [None] * len(leaves_with_path)
+    elif isinstance(spec, (TensorChunkSpec, _Replicate)):
+        specs = [spec] * len(leaves_with_path)
+    else:
+        broadcast = pytree._broadcast_to_and_flatten(spec, treespec)
+        if broadcast is None:
+            raise PipelineError(
+                f"chunk spec for {name} does not match its structure: spec {spec!r} is not a prefix of "
+                f"{pytree.treespec_pprint(treespec)}"
+            )
+        specs = broadcast
+    out: list[tuple[str, Any, _Spec]] = []
+    for (path, leaf), leaf_spec in zip(leaves_with_path, specs, strict=True):
+        if leaf_spec is None:
+            leaf_spec = _DEFAULT
+        if not isinstance(leaf_spec, (TensorChunkSpec, _Replicate)):
+            raise PipelineError(
+                f"chunk spec for {name}{pytree.keystr(path)} must be TensorChunkSpec, REPLICATE or None, "
+                f"got {leaf_spec!r}"
+            )
+        out.append((name + pytree.keystr(path), leaf, leaf_spec))
+    return out
+
+
+def _split_leaf(name: str, leaf: Any, spec: _Spec, chunks: int) -> list[Any]:
+    if not isinstance(leaf, torch.Tensor) or isinstance(spec, _Replicate):
+        return [leaf] * chunks
+    if leaf.dim() == 0 and spec is _DEFAULT:
+        return [leaf] * chunks
+    dim = spec.split_dim
+    if not -leaf.dim() <= dim < leaf.dim():
+        raise PipelineError(f"cannot split {name} along dim {dim}: it has shape {tuple(leaf.shape)}")
+    size = leaf.size(dim)
+    if size < chunks:
+        raise PipelineError(
+            f"cannot split {name} into {chunks} microbatches: its dim {dim} has size {size} "
+            f"(shape {tuple(leaf.shape)}); the batch must have at least as many rows as microbatches"
+        )
+    return list(torch.tensor_split(leaf, chunks, dim=dim))
+
+
+def split_into_chunks(value: Any, chunks: int, chunk_spec: Any = None, name: str = "value") -> list[Any]:
+    """Split one (possibly nested) value into ``chunks`` values of the same structure.
+
+    Used for targets, which are split exactly like the inputs. ``name`` appears in error messages.
+    """
+    if not isinstance(chunks, int) or chunks < 1:
+        raise PipelineError(f"number of microbatches must be a positive int, got {chunks!r}")
+    entries = _leaf_specs(value, chunk_spec, name)
+    treespec = pytree.tree_structure(value)
+    per_leaf = [_split_leaf(leaf_name, leaf, spec, chunks) for leaf_name, leaf, spec in entries]
+    return [pytree.tree_unflatten([parts[i] for parts in per_leaf], treespec) for i in range(chunks)]
+
+
+def split_args_kwargs_into_chunks(
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any] | None,
+    chunks: int,
+    args_chunk_spec: Sequence[Any] | None = None,
+    kwargs_chunk_spec: dict[str, Any] | None = None,
+) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]]]:
+    """Split positional and keyword inputs into per-microbatch ``(args, kwargs)`` lists.
+
+    ``args_chunk_spec`` has one entry per positional argument and ``kwargs_chunk_spec`` one per
+    keyword (missing keywords use the default); each entry is ``None`` (default),
+    ``TensorChunkSpec(dim)``, ``REPLICATE`` or a tree of those mirroring the argument.
+    """
+    if not isinstance(chunks, int) or chunks < 1:
+        raise PipelineError(f"number of microbatches must be a positive int, got {chunks!r}")
+    kwargs = dict(kwargs or {})
+    if args_chunk_spec is not None and len(args_chunk_spec) != len(args):
+        raise PipelineError(
+            f"args_chunk_spec has {len(args_chunk_spec)} entries but {len(args)} positional arguments were given"
+        )
+    if kwargs_chunk_spec is not None:
+        unknown = sorted(set(kwargs_chunk_spec) - set(kwargs))
+        if unknown:
+            raise PipelineError(
+                f"kwargs_chunk_spec names keyword arguments that were not given: {unknown}; given: {sorted(kwargs)}"
+            )
+    arg_chunks = [
+        split_into_chunks(a, chunks, None if args_chunk_spec is None else args_chunk_spec[i], f"args[{i}]")
+        for i, a in enumerate(args)
+    ]
+    kwarg_chunks = {
+        k: split_into_chunks(v, chunks, (kwargs_chunk_spec or {}).get(k), f"kwargs[{k!r}]") for k, v in kwargs.items()
+    }
+    args_out = [tuple(parts[i] for parts in arg_chunks) for i in range(chunks)]
+    kwargs_out = [{k: parts[i] for k, parts in kwarg_chunks.items()} for i in range(chunks)]
+    return args_out, kwargs_out
+
+
+def _merge_leaf(name: str, values: list[Any], spec: _Spec) -> Any:
+    first = values[0]
+    if not isinstance(first, torch.Tensor):
+        if any(isinstance(v, torch.Tensor) for v in values):
+            raise PipelineError(f"cannot merge {name}: some microbatches gave a tensor and some did not")
+        return first if all(v == first for v in values[1:]) else list(values)
+    if isinstance(spec, _Replicate):
+        return first
+    if not all(isinstance(v, torch.Tensor) for v in values):
+        raise PipelineError(f"cannot merge {name}: some microbatches gave a tensor and some did not")
+    if first.dim() == 0:
+        return torch.stack(values)
+    try:
+        return torch.cat(values, dim=spec.split_dim)
+    except (RuntimeError, IndexError) as exc:
+        shapes = [tuple(v.shape) for v in values]
+        raise PipelineError(f"cannot merge {name} along dim {spec.split_dim}: shapes {shapes}: {exc}") from exc
+
+
+def merge_chunks(chunks: list[Any], chunk_spec: Any = None) -> Any:
+    """Merge per-microbatch values (same structure each) into one value.
+
+    Tensors are concatenated along their spec's dim (default 0; 0-dim tensors are stacked),
+    ``REPLICATE`` leaves take the first microbatch's value, and non-tensor leaves keep the value
+    when all microbatches agree, else become the list of per-microbatch values.
+    """
+    if not chunks:
+        raise PipelineError("merge_chunks needs at least one microbatch value")
+    flat = [pytree.tree_flatten(c) for c in chunks]
+    treespec = flat[0][1]
+    for i, (_, spec_i) in enumerate(flat[1:], start=1):
+        if spec_i != treespec:
+            raise PipelineError(
+                f"cannot merge outputs: microbatch {i} has structure {pytree.treespec_pprint(spec_i)} "
+                f"but microbatch 0 has {pytree.treespec_pprint(treespec)}"
+            )
+    entries = _leaf_specs(chunks[0], chunk_spec, "output")
+    merged = [_merge_leaf(name, [leaves[j] for leaves, _ in flat], spec) for j, (name, _, spec) in enumerate(entries)]
+    return pytree.tree_unflatten(merged, treespec)

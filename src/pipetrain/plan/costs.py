@@ -1,0 +1,206 @@
+"""Cost model for the simulator: how long each kind of action takes, per stage.
+
+Durations are in any unit (the papers use "one forward = 1"). Each of ``f``, ``b``, ``i``, ``w``
+is a number or one number per stage, because first and last stages are often heavier
+(embedding, loss head).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+from pipetrain.plan.actions import Action, ActionKind
+from pipetrain.plan.errors import ScheduleError
+
+__all__ = ["Costs", "PerStage"]
+
+PerStage = float | Sequence[float]
+"""A number used for every stage, or one number per stage."""
+
+_DEFAULT = 1.0
+
+
+def _check(name: str, value: PerStage | None) -> PerStage | None:
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ScheduleError(f"cost {name} must be a number or a sequence of numbers, not {value!r}")
+    if isinstance(value, int | float):
+        if not math.isfinite(value) or value < 0:
+            raise ScheduleError(f"cost {name} must be a finite number >= 0, got {value!r}")
+        return float(value)
+    if isinstance(value, str) or not isinstance(value, Sequence):
+        raise ScheduleError(f"cost {name} must be a number or a sequence of numbers, not {value!r}")
+    if not value:
+        raise ScheduleError(f"cost {name}: an empty sequence gives no duration")
+    out: list[float] = []
+    for k, item in enumerate(value):
+        if isinstance(item, bool) or not isinstance(item, int | float) or not math.isfinite(item) or item < 0:
+            raise ScheduleError(f"cost {name}[{k}] must be a finite number >= 0, got {item!r}")
+        out.append(float(item))
+    return tuple(out)
+
+
+def _combine(a: PerStage, b: PerStage, op: str) -> PerStage:
+    """Element-wise a + b, a - b or a / 2 (``b`` ignored) over numbers and per-stage tuples."""
+    if isinstance(a, float) and isinstance(b, float):
+        return {"+": a + b, "-": a - b, "/2": a / 2}[op]
+    left = [a] if isinstance(a, float) else list(a)
+    right = [b] if isinstance(b, float) else list(b)
+    n = max(len(left), len(right))
+    if len(left) not in (1, n) or len(right) not in (1, n):
+        raise ScheduleError(f"per-stage costs have different lengths ({len(left)} and {len(right)})")
+    left = left * n if len(left) == 1 else left
+    right = right * n if len(right) == 1 else right
+    return tuple({"+": x + y, "-": x - y, "/2": x / 2}[op] for x, y in zip(left, right, strict=True))
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Durations of actions and the latency of a message between ranks.
+
+    ``f``, ``b`` (full backward), ``i`` (input-gradient backward) and ``w`` (weight-gradient
+    backward) are numbers or per-stage sequences. Defaults follow the Zero Bubble paper's simple
+    model: ``i`` and ``w`` default to half of ``b`` when ``b`` is given, else to ``f``; ``b``
+    defaults to ``i + w``. ``comm`` is the time from the end of an action (or the post of its
+    SEND) until its output is usable on another rank; stages on the same rank pass data for free.
+
+    ``overlap`` (0..1) says how much of an ``OVERLAP_F_B`` pair runs concurrently: the pair takes
+    ``sum - overlap * (sum - longest part)`` (0: one after the other, 1: as long as its longest
+    part, DualPipe's ideal F&B). ``send``, ``recv``, ``unshard``, ``reshard`` and ``reduce_grad``
+    are rank time spent on those actions (0: they are posted and run in the background).
+    ``activation_bytes`` (per stage) lets the simulator report memory in bytes too.
+    """
+
+    f: PerStage = _DEFAULT
+    b: PerStage | None = None
+    i: PerStage | None = None
+    w: PerStage | None = None
+    comm: float = 0.0
+    overlap: float = 0.0
+    send: float = 0.0
+    recv: float = 0.0
+    unshard: float = 0.0
+    reshard: float = 0.0
+    reduce_grad: float = 0.0
+    activation_bytes: PerStage | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("f", "b", "i", "w", "activation_bytes"):
+            object.__setattr__(self, name, _check(name, getattr(self, name)))
+        if self.f is None:
+            raise ScheduleError("cost f is required")
+        for name in ("comm", "overlap", "send", "recv", "unshard", "reshard", "reduce_grad"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+                raise ScheduleError(f"cost {name} must be a finite number >= 0, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        if self.overlap > 1:
+            raise ScheduleError(
+                f"cost overlap must lie in 0..1 (fraction of an F&B pair that overlaps), got {self.overlap}"
+            )
+        b, i, w = self.b, self.i, self.w
+        if b is not None:
+            if i is None and w is None:
+                i = w = _combine(b, 0.0, "/2")
+            elif i is None:
+                assert w is not None
+                i = _combine(b, w, "-")
+            elif w is None:
+                w = _combine(b, i, "-")
+        else:
+            i = self.f if i is None else i
+            w = self.f if w is None else w
+            b = _combine(i, w, "+")
+        for name, value in (("i", i), ("w", w)):
+            values = [value] if isinstance(value, float) else list(value)
+            if min(values) < 0:
+                raise ScheduleError(f"cost {name} comes out negative ({value}); give i and w that fit inside b")
+        object.__setattr__(self, "b", b)
+        object.__setattr__(self, "i", i)
+        object.__setattr__(self, "w", w)
+
+    # ------------------------------------------------------------ lookups
+    def per_stage(self, name: str, num_stages: int) -> list[float]:
+        """The cost ``name`` ("f", "b", "i", "w", "activation_bytes") as one value per stage."""
+        value = getattr(self, name)
+        if value is None:
+            raise ScheduleError(f"cost {name} is not set")
+        if isinstance(value, float):
+            return [value] * num_stages
+        if len(value) != num_stages:
+            raise ScheduleError(
+                f"cost {name} gives {len(value)} per-stage values, but the schedule has {num_stages} stages"
+            )
+        return list(value)
+
+    def duration(self, action: Action, num_stages: int) -> float:
+        """Rank time of one action (OVERLAP_F_B per ``overlap``). Convenient, not fast."""
+        kind = action.kind
+        if kind is ActionKind.OVERLAP_F_B:
+            parts = [self.duration(p, num_stages) for p in action.parts]
+            return self.overlapped(parts)
+        if kind.is_compute:
+            return self.per_stage(kind.value.lower(), num_stages)[action.stage]
+        if kind in (ActionKind.SEND_F, ActionKind.SEND_B):
+            return self.send
+        if kind in (ActionKind.RECV_F, ActionKind.RECV_B):
+            return self.recv
+        return float(getattr(self, kind.value.lower()))
+
+    def overlapped(self, parts: Sequence[float]) -> float:
+        """Duration of an OVERLAP_F_B whose parts alone take ``parts``."""
+        total = sum(parts)
+        return total - self.overlap * (total - max(parts, default=0.0))
+
+    # ---------------------------------------------------------- text form
+    @classmethod
+    def parse(cls, text: str) -> Costs:
+        """Read ``f=1,b=2,i=1,w=1,comm=0``; per-stage values separate with ``:`` (``f=2:1:1:2``)."""
+        known = {f.name for f in fields(cls)}
+        aliases = {"bytes": "activation_bytes"}
+        kwargs: dict[str, PerStage] = {}
+        for item in text.split(","):
+            item = item.strip()
+            if not item:
+                continue
+            key, sep, raw = item.partition("=")
+            key = aliases.get(key.strip().lower(), key.strip().lower())
+            if not sep or key not in known:
+                raise ScheduleError(
+                    f"cannot read cost {item!r}: expected name=value with name one of {', '.join(sorted(known | set(aliases)))}"
+                )
+            try:
+                values = [float(v) for v in raw.split(":")]
+            except ValueError:
+                raise ScheduleError(
+                    f"cannot read cost {item!r}: {raw!r} is not a number (per-stage: 1:2:2:1)"
+                ) from None
+            if len(values) > 1 and key not in ("f", "b", "i", "w", "activation_bytes"):
+                raise ScheduleError(f"cost {key} takes one number, not per-stage values")
+            kwargs[key] = values[0] if len(values) == 1 else tuple(values)
+        return cls(**kwargs)  # type: ignore[arg-type]
+
+    def __str__(self) -> str:
+        def show(v: PerStage | None) -> str:
+            if v is None:
+                return ""
+            if isinstance(v, float):
+                return f"{v:g}"
+            return ":".join(f"{x:g}" for x in v)
+
+        parts = [
+            f"f={show(self.f)}",
+            f"b={show(self.b)}",
+            f"i={show(self.i)}",
+            f"w={show(self.w)}",
+            f"comm={self.comm:g}",
+        ]
+        for name in ("overlap", "send", "recv", "unshard", "reshard", "reduce_grad"):
+            if getattr(self, name):
+                parts.append(f"{name}={getattr(self, name):g}")
+        if self.activation_bytes is not None:
+            parts.append(f"bytes={show(self.activation_bytes)}")
+        return ",".join(parts)

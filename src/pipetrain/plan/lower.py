@@ -1,0 +1,63 @@
+"""Lowering: turn a compute-only schedule into one the runtime executes as is.
+
+``lower`` composes separate passes, each generic (it reads dependencies, never schedule names)
+and linear in the number of actions: merging I+W into B, gradient reduction, FSDP
+unshard/reshard, and communication, in that order (communication last, so that nothing is ever
+inserted inside a SEND/RECV group).
+"""
+
+from __future__ import annotations
+
+from pipetrain.plan.errors import ScheduleError
+from pipetrain.plan.passes._graph import gc_paused
+from pipetrain.plan.passes.communication import add_communication
+from pipetrain.plan.passes.fsdp import add_fsdp
+from pipetrain.plan.passes.grad import add_grad_reduction
+from pipetrain.plan.passes.merge import merge_input_weight
+from pipetrain.plan.schedule import Schedule
+from pipetrain.plan.validate import validate
+
+__all__ = ["add_communication", "add_fsdp", "add_grad_reduction", "lower", "merge_input_weight"]
+
+
+def lower(
+    schedule: Schedule,
+    *,
+    comms: bool = True,
+    grad_reduce: bool = False,
+    fsdp: bool = False,
+    prefetch: int = 1,
+    merge_iw: bool = False,
+) -> Schedule:
+    """Validate ``schedule`` (compute-only) and return it lowered.
+
+    ``comms``: SEND/RECV between stages on different ranks. ``grad_reduce``: REDUCE_GRAD after
+    each stage's last backward. ``fsdp``: UNSHARD ``prefetch`` compute actions ahead of use and
+    RESHARD after. ``merge_iw``: I directly followed by its W becomes one B. Lowering an already
+    lowered schedule raises :class:`ScheduleError`.
+    """
+    for rank in range(schedule.num_ranks):
+        for step, action in enumerate(schedule.actions[rank]):
+            if action is not None and not action.kind.is_compute:
+                raise ScheduleError(
+                    f"rank {rank}, step {step}, action {action}: the schedule is already lowered; "
+                    "lower() takes a compute-only schedule (F, B, I, W, OVERLAP_F_B)"
+                )
+    with gc_paused():
+        return _lower(schedule, comms, grad_reduce, fsdp, prefetch, merge_iw)
+
+
+def _lower(schedule: Schedule, comms: bool, grad_reduce: bool, fsdp: bool, prefetch: int, merge_iw: bool) -> Schedule:
+    validate(schedule)
+    out = schedule
+    if merge_iw:
+        out = merge_input_weight(out)
+    if grad_reduce:
+        out = add_grad_reduction(out)
+    if fsdp:
+        out = add_fsdp(out, prefetch)
+    if comms:
+        out = add_communication(out)
+    if out is schedule:
+        out = schedule._derived({r: list(schedule.actions[r]) for r in range(schedule.num_ranks)})
+    return out

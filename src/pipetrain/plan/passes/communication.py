@@ -1,0 +1,105 @@
+"""The communication pass: a SEND after each producer and a RECV before each consumer on another rank.
+
+Placement, which makes the result deadlock-free under the strict (NCCL) model of docs/semantics.md:
+run the compute schedule in unit time (:func:`unit_time_starts`). A message produced by an action
+ending at time T is sent right after the producer and received on the consumer's rank in the gap
+holding time T (after the actions that started before T, before those starting at T or later), so
+the receive is posted as early as the data can exist and before its consumer. Within a gap the
+messages are sorted by (T, message id) on both ranks, so the k-th SEND from a to b matches the
+k-th RECV on b from a.
+
+Why it cannot deadlock: by induction on T, every group holding a time-T message starts once the
+messages before T completed (its rank has reached it: the compute before it needs only messages
+of earlier times; the group before it holds only earlier messages), and both ends of every
+time-T message are in such groups, so all of them complete.
+"""
+
+# ruff: noqa: N806 - S, M, SM, R: stages, microbatches, their product, ranks (the papers' notation)
+
+from __future__ import annotations
+
+from pipetrain.plan.actions import Action, make_action
+from pipetrain.plan.passes._graph import RECV_B, RECV_F, SEND_B, SEND_F, B, F, I, Ids, cross_rank_flags
+from pipetrain.plan.passes._insert import refuse_existing
+from pipetrain.plan.passes._timing import unit_time_starts
+from pipetrain.plan.schedule import Schedule
+
+_COMM_KINDS = frozenset({SEND_F, RECV_F, SEND_B, RECV_B})
+
+
+def add_communication(schedule: Schedule) -> Schedule:
+    """Return ``schedule`` with SEND/RECV for every dependency between stages on different ranks.
+
+    Stages on the same rank (V placement) exchange nothing. Idle steps are dropped: a lowered
+    schedule's timing comes from its messages. Raises ScheduleError if the schedule already has
+    SEND/RECV or cannot run.
+    """
+    programs = [schedule.actions[r] for r in range(schedule.num_ranks)]
+    refuse_existing(programs, _COMM_KINDS, "SEND/RECV actions (it is already lowered)")
+    ids = Ids(schedule.num_stages, schedule.num_microbatches)
+    M, SM = ids.M, ids.SM
+    width = 2 * SM
+    rank_of = [schedule.stage_to_rank[s] for s in range(ids.S)]
+    prev_cross, next_cross = cross_rank_flags(rank_of)
+    starts = unit_time_starts(schedule)
+
+    events: list[list[int]] = [[] for _ in programs]
+    for r, program in enumerate(programs):
+        row = starts[r]
+        mine = events[r]
+        for i, a in enumerate(program):
+            st = row[i]
+            if st < 0:
+                continue
+            base = (st + 1) * width
+            assert a is not None
+            for part in a.parts:
+                k, s = part.kind, part.stage
+                if k is F:
+                    if next_cross[s]:
+                        key = base + s * M + part.microbatch  # type: ignore[operator]
+                        mine.append(key)
+                        events[rank_of[s + 1]].append(key)
+                elif (k is B or k is I) and prev_cross[s]:
+                    key = base + SM + s * M + part.microbatch  # type: ignore[operator]
+                    mine.append(key)
+                    events[rank_of[s - 1]].append(key)
+
+    lowered: dict[int, list[Action | None]] = {}
+    for r, program in enumerate(programs):
+        ev = events[r]
+        ev.sort()
+        row = starts[r]
+        compute_starts = [st for st in row if st >= 0]
+        out: list[Action | None] = []
+        p = 0
+        n_ev = len(ev)
+
+        def flush(limit: int, r: int = r, ev: list[int] = ev, out: list[Action | None] = out, n_ev: int = n_ev) -> int:
+            nonlocal p
+            bound = (limit + 1) * width
+            q = p
+            while q < n_ev and ev[q] < bound:
+                msg = ev[q] % width
+                grad, rest = divmod(msg, SM)
+                s, m = divmod(rest, M)
+                if grad:
+                    out.append(make_action(s, SEND_B, m) if rank_of[s] == r else make_action(s - 1, RECV_B, m))
+                else:
+                    out.append(make_action(s, SEND_F, m) if rank_of[s] == r else make_action(s + 1, RECV_F, m))
+                q += 1
+            p = q
+            return q
+
+        j = 0
+        if compute_starts:
+            flush(compute_starts[0])
+        for i, a in enumerate(program):
+            if a is None:
+                continue
+            out.append(a)
+            if row[i] >= 0:
+                j += 1
+                flush(compute_starts[j] if j < len(compute_starts) else 1 << 62)
+        lowered[r] = out
+    return schedule._derived(lowered)

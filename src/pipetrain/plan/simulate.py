@@ -1,0 +1,630 @@
+"""Cost-model simulation of a schedule: how long, how idle, how much memory, and where.
+
+Semantics (docs/semantics.md, "Simulation"):
+
+- Each rank runs its list in order, one action at a time. An action starts when its rank is
+  free and its inputs have arrived; idle steps (None) take no time.
+- Inputs (DESIGN.md §2): F(s,m) needs F(s-1,m); B(s,m) and I(s,m) need F(s,m) and the
+  input-gradient of (s+1,m) (from B or I) unless s is the last stage; W(s,m) needs I(s,m).
+  An input produced on another rank arrives ``comm`` after the producing action ends; between
+  stages on the same rank it is there at once.
+- In a lowered schedule (one holding SEND/RECV) data between ranks travels only as messages:
+  a SEND waits for its producer, a message is usable at max(SEND post + ``comm``, RECV post),
+  and the consumer waits for it. SEND/RECV/UNSHARD/RESHARD/REDUCE_GRAD take the rank time the
+  cost model gives them (0 by default: posted and run in the background).
+- OVERLAP_F_B waits for the inputs of all its parts, takes ``Costs.overlapped`` of their
+  durations, and its parts' outputs are ready when it ends.
+- Memory: the activation of (s,m) is held on rank(s) from the start of F(s,m) until the end of
+  B(s,m), or of W(s,m) when the backward is split; forward-only schedules free it when F ends.
+  At equal times, frees count before allocations.
+- ``busy`` is time spent in compute actions; ``bubble`` = 1 - busy / (ranks * makespan).
+
+The times form a longest-path problem over a DAG (rank order plus data edges), solved by one
+pass that advances each rank until it waits for a value not yet computed: O(actions), and the
+result does not depend on the order ranks are visited. Actions that can never run (a cycle of
+waits) raise ScheduleError naming each waiting rank, step, action and what it waits for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, NamedTuple
+
+from pipetrain.plan.actions import Action, ActionKind
+from pipetrain.plan.costs import Costs
+from pipetrain.plan.errors import ScheduleError
+from pipetrain.plan.schedule import Schedule
+from pipetrain.plan.timeline import Timeline, TimelineEvent
+
+__all__ = ["SimResult", "simulate"]
+
+# Slots of the value table, one block of n_st*n_mb entries each, indexed by s*n_mb + m.
+_F_END = 0  # end of F(s,m): its output (and the loss on the last stage) is ready
+_G_END = 1  # end of B(s,m) or I(s,m): the input-gradient for stage s-1 is ready
+_I_END = 2  # end of I(s,m): W(s,m) may run
+_SEND_F = 3  # post of sSEND_Fm (forward output of stage s)
+_SEND_B = 4  # post of sSEND_Bm (input-gradient of stage s)
+_RECV_F = 5  # post of sRECV_Fm (forward input of stage s)
+_RECV_B = 6  # post of sRECV_Bm (gradient input of stage s)
+_NUM_SLOTS = 7
+_SLOT_NAMES = ("F", "B/I", "I", "SEND_F", "SEND_B", "RECV_F", "RECV_B")
+
+
+@dataclass
+class SimResult:
+    """What a simulation found. Times are in the cost model's units.
+
+    ``peak_memory[rank]`` is the peak number of (stage, microbatch) activations held, reached
+    first at ``peak_memory_time[rank]``; ``peak_memory_bytes`` is set when the costs give
+    ``activation_bytes``. ``lower_bound`` is a makespan no order of these actions can beat:
+    the larger of the longest dependency chain and, over ranks, the rank's compute time plus
+    the earliest time its first input can arrive.
+    """
+
+    schedule_name: str
+    num_ranks: int
+    num_stages: int
+    num_microbatches: int
+    costs: Costs
+    makespan: float
+    busy: dict[int, float]
+    span: dict[int, tuple[float, float]]
+    peak_memory: dict[int, int]
+    peak_memory_time: dict[int, float]
+    peak_memory_bytes: dict[int, float] | None
+    peak_memory_bytes_time: dict[int, float] | None
+    lower_bound: float
+    num_sends: int
+    lowered: bool
+    _events: list[tuple[int, Action, float, float, int]] = field(repr=False, default_factory=list)
+
+    @property
+    def idle(self) -> dict[int, float]:
+        """Per rank, the part of the makespan not spent computing."""
+        return {r: self.makespan - b for r, b in self.busy.items()}
+
+    @property
+    def span_idle(self) -> dict[int, float]:
+        """Per rank, idle time between its first compute's start and its last compute's end.
+
+        This is the bubble of the Zero Bubble paper's Table 2 (a rank that starts late because
+        its first input arrives late is not idle by this measure).
+        """
+        return {r: max(0.0, end - start - self.busy[r]) for r, (start, end) in self.span.items()}
+
+    @property
+    def bubble(self) -> float:
+        """1 - busy / (ranks * makespan): the idle fraction of the pipeline."""
+        if self.makespan <= 0:
+            return 0.0
+        return 1.0 - sum(self.busy.values()) / (self.num_ranks * self.makespan)
+
+    @property
+    def max_peak_memory(self) -> int:
+        return max(self.peak_memory.values(), default=0)
+
+    @cached_property
+    def timeline(self) -> Timeline:
+        """Every action with its start and end (SEND/RECV: from post until the message is delivered)."""
+        return Timeline(
+            num_ranks=self.num_ranks,
+            events=[_event(rank, action, start, end) for rank, action, start, end, _ in self._sorted_events],
+            title=self.title,
+            source="simulated",
+            unit="",
+        )
+
+    @cached_property
+    def critical_path(self) -> list[TimelineEvent]:
+        """The chain of actions, each waiting for the previous one, that ends last."""
+        events = self._events
+        if not events:
+            return []
+        last = max(range(len(events)), key=lambda k: (events[k][3], -k))
+        chain: list[TimelineEvent] = []
+        k = last
+        while k >= 0:
+            rank, action, start, end, pred = events[k]
+            chain.append(_event(rank, action, start, end))
+            k = pred
+        chain.reverse()
+        return chain
+
+    @property
+    def title(self) -> str:
+        name = self.schedule_name or "schedule"
+        return (
+            f"{name}: {self.num_ranks} ranks, {self.num_stages} stages, {self.num_microbatches} microbatches"
+            f" | makespan {self.makespan:g}, bubble {100 * self.bubble:.1f}%, peak activations {self.max_peak_memory}"
+        )
+
+    @cached_property
+    def _sorted_events(self) -> list[tuple[int, Action, float, float, int]]:
+        return sorted(self._events, key=lambda e: (e[0], e[2], e[3]))
+
+    def summary(self) -> dict[str, Any]:
+        """A JSON-ready summary (what ``pipetrain simulate --json`` prints)."""
+        out: dict[str, Any] = {
+            "schedule": self.schedule_name,
+            "num_ranks": self.num_ranks,
+            "num_stages": self.num_stages,
+            "num_microbatches": self.num_microbatches,
+            "costs": str(self.costs),
+            "lowered": self.lowered,
+            "makespan": self.makespan,
+            "bubble": self.bubble,
+            "lower_bound": self.lower_bound,
+            "busy": {str(r): v for r, v in self.busy.items()},
+            "idle": {str(r): v for r, v in self.idle.items()},
+            "span_idle": {str(r): v for r, v in self.span_idle.items()},
+            "peak_memory": {str(r): v for r, v in self.peak_memory.items()},
+            "peak_memory_time": {str(r): v for r, v in self.peak_memory_time.items()},
+            "num_sends": self.num_sends,
+            "critical_path": [f"r{e.rank}:{e.action}" for e in self.critical_path],
+        }
+        if self.peak_memory_bytes is not None and self.peak_memory_bytes_time is not None:
+            out["peak_memory_bytes"] = {str(r): v for r, v in self.peak_memory_bytes.items()}
+            out["peak_memory_bytes_time"] = {str(r): v for r, v in self.peak_memory_bytes_time.items()}
+        return out
+
+
+def _event(rank: int, action: Action, start: float, end: float) -> TimelineEvent:
+    return TimelineEvent(rank, str(action), action.kind.value, action.stage, action.microbatch, start, end)
+
+
+# Kind codes (looked up by the enum's value: hashing an Enum member runs Python code).
+_F, _B, _I, _W, _OVERLAP, _SF, _SB, _RF, _RB, _UNSHARD, _RESHARD, _REDUCE = range(12)
+_CODE = {
+    "F": _F,
+    "B": _B,
+    "I": _I,
+    "W": _W,
+    "OVERLAP_F_B": _OVERLAP,
+    "SEND_F": _SF,
+    "SEND_B": _SB,
+    "RECV_F": _RF,
+    "RECV_B": _RB,
+    "UNSHARD": _UNSHARD,
+    "RESHARD": _RESHARD,
+    "REDUCE_GRAD": _REDUCE,
+}
+
+Needs = tuple[tuple[int, float], ...]
+"""(value-table key, latency added); for templates the key still lacks ``+ microbatch``."""
+
+
+def _code(action: Action) -> int:
+    return _CODE[action.kind._value_]
+
+
+class _Tables(NamedTuple):
+    """What each kind of action on each stage waits for and produces, with ``+ m`` left out."""
+
+    needs: list[list[Needs]]  # [code][stage]
+    makes: list[list[tuple[int, ...]]]  # [code][stage]
+    duration: list[list[float]]  # [code][stage], rank time
+
+
+def _tables(n_st: int, n_mb: int, rank_of: list[int], lowered: bool, costs: Costs) -> _Tables:
+    n_cells = n_st * n_mb
+    comm = costs.comm
+
+    def input_need(consumer: int, producer: int, slot: int, msg_send: int, msg_recv: int) -> Needs:
+        if rank_of[producer] == rank_of[consumer]:
+            return ((slot * n_cells + producer * n_mb, 0.0),)
+        if lowered:
+            return ((msg_send * n_cells + producer * n_mb, comm), (msg_recv * n_cells + consumer * n_mb, 0.0))
+        return ((slot * n_cells + producer * n_mb, comm),)
+
+    needs: list[list[Needs]] = [[] for _ in range(_RB + 1)]
+    makes: list[list[tuple[int, ...]]] = [[] for _ in range(_RB + 1)]
+    for s in range(n_st):
+        base = s * n_mb
+        fwd_in = input_need(s, s - 1, _F_END, _SEND_F, _RECV_F) if s > 0 else ()
+        grad_in = input_need(s, s + 1, _G_END, _SEND_B, _RECV_B) if s < n_st - 1 else ()
+        own_f: Needs = ((_F_END * n_cells + base, 0.0),)
+        rows: list[tuple[Needs, tuple[int, ...]]] = [
+            (fwd_in, (_F_END * n_cells + base,)),  # F
+            (own_f + grad_in, (_G_END * n_cells + base,)),  # B
+            (own_f + grad_in, (_G_END * n_cells + base, _I_END * n_cells + base)),  # I
+            (((_I_END * n_cells + base, 0.0),), ()),  # W
+            ((), ()),  # OVERLAP_F_B: handled per action
+            (((_F_END * n_cells + base, 0.0),), (_SEND_F * n_cells + base,)),  # SEND_F
+            (((_G_END * n_cells + base, 0.0),), (_SEND_B * n_cells + base,)),  # SEND_B
+            ((), (_RECV_F * n_cells + base,)),  # RECV_F
+            ((), (_RECV_B * n_cells + base,)),  # RECV_B
+        ]
+        for code, (need, make) in enumerate(rows):
+            needs[code].append(need)
+            makes[code].append(make)
+    duration = [costs.per_stage(name, n_st) for name in ("f", "b", "i", "w")]
+    duration += [[0.0] * n_st, [costs.send] * n_st, [costs.send] * n_st, [costs.recv] * n_st, [costs.recv] * n_st]
+    return _Tables(needs, makes, duration)
+
+
+def _overlap_op(
+    action: Action, tables: _Tables, n_mb: int, costs: Costs
+) -> tuple[Needs, tuple[int, ...], float, list[float]]:
+    """Needs, products, duration and per-part shares of an OVERLAP_F_B (parts in order)."""
+    needs: list[tuple[int, float]] = []
+    makes: list[int] = []
+    solo: list[float] = []
+    for part in action.parts:
+        code, s, m = _code(part), part.stage, part.microbatch
+        assert m is not None
+        needs += [(key + m, lat) for key, lat in tables.needs[code][s] if key + m not in makes]
+        makes += [key + m for key in tables.makes[code][s]]
+        solo.append(tables.duration[code][s])
+    duration = costs.overlapped(solo)
+    total = sum(solo)
+    shares = [d * duration / total if total > 0 else 0.0 for d in solo]
+    return tuple(needs), tuple(makes), duration, shares
+
+
+def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
+    """Simulate ``schedule`` under ``costs`` (default: F=1, I=W=1, B=2, comm 0); see the module docs."""
+    costs = Costs() if costs is None else costs
+    n_st, n_mb, n_rk = schedule.num_stages, schedule.num_microbatches, schedule.num_ranks
+    n_cells = n_st * n_mb
+    rank_of = [schedule.stage_to_rank.get(s, -1) for s in range(n_st)]
+    act_bytes = None if costs.activation_bytes is None else costs.per_stage("activation_bytes", n_st)
+    comm = costs.comm
+    programs = [schedule.actions[r] for r in range(n_rk)]
+
+    # Which backward frees an activation: B, or W when split; forward-only frees at F's end.
+    has_w = [False] * n_cells
+    any_backward = False
+    lowered = False
+    for program in programs:
+        for a in program:
+            if a is None:
+                continue
+            for part in a.parts:
+                code = _code(part)
+                m = part.microbatch
+                if m is not None and not 0 <= m < n_mb:
+                    raise ScheduleError(f"action {a} on rank {rank_of[a.stage]}: microbatch {m} outside 0..{n_mb - 1}")
+                if code == _W and m is not None:
+                    has_w[part.stage * n_mb + m] = True
+                if _B <= code <= _W:
+                    any_backward = True
+                elif _SF <= code <= _RB:
+                    lowered = True
+    tables = _tables(n_st, n_mb, rank_of, lowered, costs)
+    t_needs, t_makes, t_dur = tables
+    other_dur = {_UNSHARD: costs.unshard, _RESHARD: costs.reshard, _REDUCE: costs.reduce_grad}
+    part_dur: list[list[float | None]] = [[None] * n_cells for _ in range(4)]
+
+    def account(code: int, idx: int, d: float, start: float, end: float) -> None:
+        """Record a compute part's duration and its activation's alloc/free times."""
+        part_dur[code][idx] = d
+        if code == _F:
+            alloc_at[idx] = start
+            if not any_backward:
+                free_at[idx] = end
+        elif code == _W or (code == _B and not has_w[idx]):
+            free_at[idx] = end
+
+    # ---------------------------------------------------------------- run
+    value: list[float | None] = [None] * (_NUM_SLOTS * n_cells)
+    producer = [-1] * (_NUM_SLOTS * n_cells)
+    waiters: dict[int, list[int]] = {}
+    pc = [0] * n_rk
+    clock = [0.0] * n_rk
+    last_event = [-1] * n_rk
+    events: list[tuple[int, Action, float, float, int]] = []
+    busy = [0.0] * n_rk
+    first_start = [-1.0] * n_rk
+    last_end = [0.0] * n_rk
+    alloc_at = [0.0] * n_cells
+    free_at: list[float | None] = [None] * n_cells
+    waiting_on: dict[int, int] = {}
+    ready = list(range(n_rk - 1, -1, -1))
+    while ready:
+        r = ready.pop()
+        program = programs[r]
+        n = len(program)
+        k = pc[r]
+        t = clock[r]
+        pred0 = last_event[r]
+        while k < n:
+            a = program[k]
+            if a is None:
+                k += 1
+                continue
+            code = _CODE[a.kind._value_]
+            s = a.stage
+            m = a.microbatch
+            if code < _OVERLAP or _OVERLAP < code <= _RB:
+                assert m is not None
+                needs = t_needs[code][s]
+                makes = t_makes[code][s]
+                d = t_dur[code][s]
+            elif code == _OVERLAP:
+                needs, makes, d, shares = _overlap_op(a, tables, n_mb, costs)
+                m = 0
+            else:
+                needs, makes, d, m = (), (), other_dur[code], 0
+            start = t
+            pred = pred0
+            blocked = -1
+            for key, latency in needs:
+                v = value[key + m]
+                if v is None:
+                    blocked = key + m
+                    break
+                v += latency
+                if v > start:
+                    start = v
+                    pred = producer[key + m]
+            if blocked >= 0:
+                waiters.setdefault(blocked, []).append(r)
+                waiting_on[r] = blocked
+                break
+            end = start + d
+            eid = len(events)
+            events.append((r, a, start, end, pred))
+            pred0 = eid
+            for key in makes:
+                value[key + m] = end
+                producer[key + m] = eid
+                if key + m in waiters:
+                    ready.extend(waiters.pop(key + m))
+            if code <= _OVERLAP:
+                busy[r] += d
+                if first_start[r] < 0:
+                    first_start[r] = start
+                last_end[r] = end
+                if code == _OVERLAP:
+                    for part, share in zip(a.parts, shares, strict=True):
+                        assert part.microbatch is not None
+                        account(_code(part), part.stage * n_mb + part.microbatch, share, start, end)
+                else:
+                    idx = s * n_mb + m
+                    part_dur[code][idx] = d
+                    if code == _F:
+                        alloc_at[idx] = start
+                        if not any_backward:
+                            free_at[idx] = end
+                    elif code == _W or (code == _B and not has_w[idx]):
+                        free_at[idx] = end
+            t = end
+            k += 1
+        pc[r] = k
+        clock[r] = t
+        last_event[r] = pred0
+        if k == n:
+            waiting_on.pop(r, None)
+
+    stuck = [r for r in range(n_rk) if pc[r] < len(programs[r])]
+    if stuck:
+        raise ScheduleError(_deadlock_message(schedule, pc, waiting_on, stuck, n_cells, n_mb))
+
+    makespan = max(clock, default=0.0)
+    num_sends = 0
+    if lowered:  # a step ends when every message is delivered
+        for _r, action, _start, end, _ in events:
+            if action.kind is ActionKind.SEND_F or action.kind is ActionKind.SEND_B:
+                num_sends += 1
+                makespan = max(makespan, end + comm)
+    events = _with_delivery_times(events, value, n_cells, n_mb, n_st, comm) if lowered else events
+
+    peak, peak_time, peak_bytes, peak_bytes_time = _memory(
+        rank_of, alloc_at, free_at, value, n_cells, n_mb, act_bytes, n_rk
+    )
+    return SimResult(
+        schedule_name=schedule.name,
+        num_ranks=n_rk,
+        num_stages=n_st,
+        num_microbatches=n_mb,
+        costs=costs,
+        makespan=makespan,
+        busy={r: busy[r] for r in range(n_rk)},
+        span={r: (max(first_start[r], 0.0), last_end[r]) for r in range(n_rk)},
+        peak_memory=peak,
+        peak_memory_time=peak_time,
+        peak_memory_bytes=peak_bytes,
+        peak_memory_bytes_time=peak_bytes_time,
+        lower_bound=_lower_bound(part_dur, rank_of, busy, comm, n_st, n_mb, n_rk),
+        num_sends=num_sends,
+        lowered=lowered,
+        _events=events,
+    )
+
+
+def _with_delivery_times(
+    events: list[tuple[int, Action, float, float, int]],
+    value: list[float | None],
+    n_cells: int,
+    n_mb: int,
+    n_st: int,
+    comm: float,
+) -> list[tuple[int, Action, float, float, int]]:
+    """SEND/RECV events last from their post until the message is usable on the receiver."""
+    out: list[tuple[int, Action, float, float, int]] = []
+    for rank, action, start, end, pred in events:
+        kind = action.kind
+        if kind.is_comm and action.microbatch is not None:
+            s, mb = action.stage, action.microbatch
+            if kind is ActionKind.SEND_F:
+                send, recv = (
+                    value[_SEND_F * n_cells + s * n_mb + mb],
+                    value[_RECV_F * n_cells + (s + 1) * n_mb + mb] if s + 1 < n_st else None,
+                )
+            elif kind is ActionKind.SEND_B:
+                send, recv = (
+                    value[_SEND_B * n_cells + s * n_mb + mb],
+                    value[_RECV_B * n_cells + (s - 1) * n_mb + mb] if s > 0 else None,
+                )
+            elif kind is ActionKind.RECV_F:
+                send, recv = (
+                    value[_SEND_F * n_cells + (s - 1) * n_mb + mb] if s > 0 else None,
+                    value[_RECV_F * n_cells + s * n_mb + mb],
+                )
+            else:
+                send, recv = (
+                    value[_SEND_B * n_cells + (s + 1) * n_mb + mb] if s + 1 < n_st else None,
+                    value[_RECV_B * n_cells + s * n_mb + mb],
+                )
+            if send is not None:
+                delivered = send + comm if recv is None else max(send + comm, recv)
+                end = max(end, delivered)
+        out.append((rank, action, start, end, pred))
+    return out
+
+
+def _memory(
+    rank_of: list[int],
+    alloc_at: list[float],
+    free_at: list[float | None],
+    value: list[float | None],
+    n_cells: int,
+    n_mb: int,
+    act_bytes: list[float] | None,
+    n_rk: int,
+) -> tuple[dict[int, int], dict[int, float], dict[int, float] | None, dict[int, float] | None]:
+    """Peak held activations per rank (and bytes), by a sweep over alloc/free times."""
+    per_rank: list[list[tuple[float, int, int]]] = [[] for _ in range(n_rk)]
+    for idx in range(n_cells):
+        if value[_F_END * n_cells + idx] is None:
+            continue  # never computed
+        s = idx // n_mb
+        r = rank_of[s]
+        per_rank[r].append((alloc_at[idx], 1, s))
+        freed = free_at[idx]
+        if freed is not None:
+            per_rank[r].append((freed, 0, s))  # 0 sorts before 1: frees first at equal times
+    peak: dict[int, int] = {}
+    peak_time: dict[int, float] = {}
+    peak_b: dict[int, float] = {}
+    peak_b_time: dict[int, float] = {}
+    for r in range(n_rk):
+        held = best = 0
+        held_b = best_b = 0.0
+        at = at_b = 0.0
+        for t, is_alloc, s in sorted(per_rank[r]):
+            delta = 1 if is_alloc else -1
+            held += delta
+            if held > best:
+                best, at = held, t
+            if act_bytes is not None:
+                held_b += delta * act_bytes[s]
+                if held_b > best_b:
+                    best_b, at_b = held_b, t
+        peak[r], peak_time[r] = best, at
+        peak_b[r], peak_b_time[r] = best_b, at_b
+    if act_bytes is None:
+        return peak, peak_time, None, None
+    return peak, peak_time, peak_b, peak_b_time
+
+
+def _lower_bound(
+    part_dur: list[list[float | None]],
+    rank_of: list[int],
+    busy: list[float],
+    comm: float,
+    n_st: int,
+    n_mb: int,
+    n_rk: int,
+) -> float:
+    """max(longest dependency chain, max over ranks of lead + compute time + trail).
+
+    A rank's lead is the earliest any of its actions can start (its first input's arrival); its
+    trail is the shortest chain of work that must follow any of its actions. Parts of an
+    overlapped pair count with their share of the pair's time.
+    """
+    inf = float("inf")
+    pf, pb, pi, pw = part_dur
+    lead = [inf] * n_rk
+    trail = [inf] * n_rk
+    chain = 0.0
+    n_cells = n_st * n_mb
+    # Forward pass: earliest start and end of every part (F by stage up, backward by stage down).
+    f_end = [0.0] * n_cells
+    g_end = [0.0] * n_cells
+    for s in range(n_st):
+        r = rank_of[s]
+        lat = comm if s > 0 and rank_of[s - 1] != r else 0.0
+        for m in range(n_mb):
+            idx = s * n_mb + m
+            d = pf[idx]
+            if d is None:
+                continue
+            start = f_end[idx - n_mb] + lat if s > 0 else 0.0
+            lead[r] = min(lead[r], start)
+            f_end[idx] = start + d
+            chain = max(chain, f_end[idx])
+    for s in range(n_st - 1, -1, -1):
+        r = rank_of[s]
+        lat = comm if s < n_st - 1 and rank_of[s + 1] != r else 0.0
+        for m in range(n_mb):
+            idx = s * n_mb + m
+            d = pb[idx]
+            if d is None:
+                d = pi[idx]
+            if d is None:
+                continue
+            start = f_end[idx]
+            if s < n_st - 1:
+                start = max(start, g_end[idx + n_mb] + lat)
+            g_end[idx] = start + d
+            wd = pw[idx]
+            chain = max(chain, g_end[idx] + (wd or 0.0))
+    # Reverse pass: the longest chain that must still run after each part ends.
+    g_tail = [0.0] * n_cells  # from the start of (s,m)'s input-grad part to the end of its consumers
+    for s in range(n_st):
+        r = rank_of[s]
+        lat = comm if s > 0 and rank_of[s - 1] != r else 0.0
+        for m in range(n_mb):
+            idx = s * n_mb + m
+            d = pb[idx]
+            if d is None:
+                d = pi[idx]
+            if d is None:
+                continue
+            after = g_tail[idx - n_mb] + lat if s > 0 else 0.0
+            wd = pw[idx]
+            if wd is not None:
+                trail[r] = 0.0  # nothing waits for a W
+                after = max(after, wd)
+            trail[r] = min(trail[r], after)
+            g_tail[idx] = after + d
+    f_tail = [0.0] * n_cells
+    for s in range(n_st - 1, -1, -1):
+        r = rank_of[s]
+        lat = comm if s < n_st - 1 and rank_of[s + 1] != r else 0.0
+        for m in range(n_mb):
+            idx = s * n_mb + m
+            d = pf[idx]
+            if d is None:
+                continue
+            after = f_tail[idx + n_mb] + lat if s < n_st - 1 and pf[idx + n_mb] is not None else 0.0
+            if pb[idx] is not None or pi[idx] is not None:
+                after = max(after, g_tail[idx])
+            trail[r] = min(trail[r], after)
+            f_tail[idx] = after + d
+    per_rank = max((lead[r] + busy[r] + trail[r] for r in range(n_rk) if lead[r] != inf), default=0.0)
+    return max(chain, per_rank)
+
+
+def _deadlock_message(
+    schedule: Schedule, pc: list[int], waiting_on: dict[int, int], stuck: list[int], n_cells: int, n_mb: int
+) -> str:
+    lines = []
+    for r in stuck:
+        action = schedule.actions[r][pc[r]]
+        key = waiting_on.get(r)
+        if key is None:
+            what = "an input"
+        else:
+            slot, idx = divmod(key, n_cells)
+            s, m = divmod(idx, n_mb)
+            if slot in (_SEND_F, _SEND_B):
+                what = f"message {s}{_SLOT_NAMES[slot]}{m} from rank {schedule.stage_to_rank.get(s)}"
+            elif slot in (_RECV_F, _RECV_B):
+                what = f"{s}{_SLOT_NAMES[slot]}{m} to be posted first on its own rank"
+            else:
+                what = f"{_SLOT_NAMES[slot]} of stage {s} microbatch {m} (on rank {schedule.stage_to_rank.get(s)})"
+        lines.append(f"rank {r} at step {pc[r]} ({action}) waits for {what}")
+    return "deadlock: no rank can proceed; " + "; ".join(lines)

@@ -1,0 +1,669 @@
+"""Validation: reject a schedule that cannot run, before anything runs.
+
+The rules are those of ``docs/semantics.md``. Each failure raises :class:`ScheduleError` naming the
+rank, the step, the action and the broken rule (``rank 1, step 5, action 1B3: ...``).
+
+Whether the per-rank programs deadlock is decided by abstract execution: every rank runs its list
+in order, an action runs once what it needs has run (on a lowered schedule: once its RECV has
+completed under the NCCL group model), and ranks left waiting are reported with what they wait
+for. All checks are linear in the number of actions.
+"""
+
+# ruff: noqa: N803, N806 - S, M, SM, R: stages, microbatches, their product, ranks (the papers' notation)
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pipetrain.plan.actions import Action
+from pipetrain.plan.errors import ScheduleError
+from pipetrain.plan.passes._graph import (
+    OVERLAP,
+    RECV_F,
+    REDUCE_GRAD,
+    RESHARD,
+    SEND_B,
+    SEND_F,
+    UNSHARD,
+    B,
+    F,
+    I,
+    Ids,
+    W,
+    cross_rank_flags,
+    gc_paused,
+)
+from pipetrain.plan.schedule import Schedule
+
+__all__ = ["validate"]
+
+_COMPLETENESS = "every (stage, microbatch) needs one F and either one B or one I and one W"
+_X_NONE, _X_B, _X_I = 0, 1, 2
+
+
+def _where(rank: int, step: int, action: Action | None) -> str:
+    return f"rank {rank}, step {step}, action {action}"
+
+
+class _Where:
+    """``rank r, step k, action a`` formatted only when an error message needs it."""
+
+    __slots__ = ("action", "rank", "step")
+
+    def __init__(self, rank: int, step: int, action: Action) -> None:
+        self.rank, self.step, self.action = rank, step, action
+
+    def __format__(self, spec: str) -> str:
+        return _where(self.rank, self.step, self.action)
+
+
+@dataclass
+class _Index:
+    """What one scan of the rank programs learns; the later checks read only this."""
+
+    schedule: Schedule
+    ids: Ids
+    rank_of: list[int]
+    node_step: list[int]  # step of each compute node on its rank, -1 when absent
+    x_kind: bytearray  # per (s, m): whether X is a B or an I
+    has_backward: bool = False
+    comm: list[tuple[int, int, Action]] = field(default_factory=list)
+    fsdp: list[tuple[int, int, Action]] = field(default_factory=list)
+    reduce: list[tuple[int, int, Action]] = field(default_factory=list)
+
+
+def validate(schedule: Schedule) -> None:
+    """Raise :class:`ScheduleError` if ``schedule`` breaks a rule of docs/semantics.md."""
+    with gc_paused():
+        _validate(schedule)
+
+
+def _validate(schedule: Schedule) -> None:
+    index = _scan(schedule)
+    _check_completeness(index)
+    comm = _CommPlan(index) if index.comm else None
+    if index.fsdp:
+        _check_fsdp(index)
+    if index.reduce:
+        _check_reduce_grad(index)
+    _execute(index, comm)
+
+
+# --------------------------------------------------------------------------- structure
+def _scan(schedule: Schedule) -> _Index:
+    """Check placement, ranges and duplicates; record where every compute part runs."""
+    ids = Ids(schedule.num_stages, schedule.num_microbatches)
+    S, M, SM = ids.S, ids.M, ids.SM
+    rank_of = [schedule.stage_to_rank.get(s, -1) for s in range(S)]
+    index = _Index(schedule, ids, rank_of, [-1] * (3 * SM), bytearray(SM))
+    node_step = index.node_step
+    x_kind = index.x_kind
+    has_backward = False
+    for rank in range(schedule.num_ranks):
+        for step, action in enumerate(schedule.actions[rank]):
+            if action is None:
+                continue
+            if type(action) is not Action:
+                raise ScheduleError(f"rank {rank}, step {step}: expected an Action or None, got {action!r}")
+            kind = action.kind
+            if kind is OVERLAP:
+                parts: tuple[Action, ...] = action.sub_actions or ()
+            elif kind is F or kind is B or kind is I or kind is W:
+                parts = (action,)
+            else:
+                _check_place(action, rank, step, rank_of, M)
+                if kind is UNSHARD or kind is RESHARD:
+                    index.fsdp.append((rank, step, action))
+                elif kind is REDUCE_GRAD:
+                    index.reduce.append((rank, step, action))
+                else:
+                    index.comm.append((rank, step, action))
+                continue
+            for part in parts:
+                s = part.stage
+                m = part.microbatch
+                if s >= S or rank_of[s] != rank or m is None or m >= M:
+                    _check_place(part, rank, step, rank_of, M, whole=action)
+                    raise AssertionError("unreachable")  # pragma: no cover
+                pk = part.kind
+                sm = s * M + m
+                if pk is F:
+                    node = sm
+                elif pk is W:
+                    node = 2 * SM + sm
+                    has_backward = True
+                else:
+                    node = SM + sm
+                    has_backward = True
+                    code = _X_B if pk is B else _X_I
+                    if x_kind[sm] and x_kind[sm] != code:
+                        other = "I" if code == _X_B else "B"
+                        raise ScheduleError(
+                            f"{_where(rank, step, action)}: stage {s} microbatch {m} already has "
+                            f"{s}{other}{m} at step {node_step[node]}; {_COMPLETENESS}, never B together with I"
+                        )
+                    x_kind[sm] = code
+                if node_step[node] >= 0:
+                    raise ScheduleError(
+                        f"{_where(rank, step, action)}: duplicate {part}, already at step {node_step[node]}; "
+                        f"{_COMPLETENESS}"
+                    )
+                node_step[node] = step
+    index.has_backward = has_backward
+    return index
+
+
+def _check_place(
+    action: Action, rank: int, step: int, rank_of: list[int], M: int, *, whole: Action | None = None
+) -> None:
+    """Raise if ``action`` names a stage not on ``rank`` or a microbatch out of range."""
+    s = action.stage
+    m = action.microbatch
+    if s < len(rank_of) and rank_of[s] == rank and (m is None or m < M):
+        return
+    where = _where(rank, step, whole or action)
+    if s >= len(rank_of) or rank_of[s] < 0:
+        raise ScheduleError(f"{where}: stage {s} does not exist (the schedule has {len(rank_of)} stages)")
+    if rank_of[s] != rank:
+        raise ScheduleError(f"{where}: stage {s} lives on rank {rank_of[s]}; each stage lives on exactly one rank")
+    if action.kind.needs_microbatch and (m is None or m >= M):
+        raise ScheduleError(f"{where}: microbatch {m} is out of range (the schedule has {M} microbatches)")
+
+
+def _check_completeness(index: _Index) -> None:
+    ids, rank_of, node_step, x_kind = index.ids, index.rank_of, index.node_step, index.x_kind
+    S, M, SM = ids.S, ids.M, ids.SM
+    backward = index.has_backward
+    for s in range(S):
+        rank = rank_of[s]
+        for m in range(M):
+            sm = s * M + m
+            f_step = node_step[sm]
+            x_step = node_step[SM + sm]
+            w_step = node_step[2 * SM + sm]
+            if f_step < 0:
+                for step, what in ((x_step, f"{s}{'I' if x_kind[sm] == _X_I else 'B'}{m}"), (w_step, f"{s}W{m}")):
+                    if step >= 0:
+                        raise ScheduleError(
+                            f"rank {rank}, step {step}, action {what}: its forward {s}F{m} is missing; {_COMPLETENESS}"
+                        )
+                raise ScheduleError(f"rank {rank}: stage {s} microbatch {m} has no forward {s}F{m}; {_COMPLETENESS}")
+            if not backward:
+                continue
+            here = _where(rank, f_step, Action(s, F, m))
+            if x_step < 0:
+                if w_step >= 0:
+                    raise ScheduleError(
+                        f"{_where(rank, w_step, Action(s, W, m))}: needs {s}I{m}, which is missing; {_COMPLETENESS}"
+                    )
+                raise ScheduleError(f"{here}: has no backward ({s}B{m}, or {s}I{m} and {s}W{m}); {_COMPLETENESS}")
+            if x_kind[sm] == _X_I and w_step < 0:
+                raise ScheduleError(
+                    f"{_where(rank, x_step, Action(s, I, m))}: has no matching {s}W{m}; {_COMPLETENESS}"
+                )
+            if x_kind[sm] == _X_B and w_step >= 0:
+                raise ScheduleError(
+                    f"{_where(rank, w_step, Action(s, W, m))}: stage {s} microbatch {m} already has a full backward "
+                    f"{s}B{m} (step {x_step}); {_COMPLETENESS}, never B together with W"
+                )
+
+
+# ---------------------------------------------------------------- communication
+class _CommPlan:
+    """SEND/RECV of a lowered schedule: matched per rank pair (FIFO) and grouped per rank.
+
+    ``group`` g on a rank is a maximal run of consecutive SEND/RECV actions (an idle step ends a
+    run). Ops are numbered in scan order; ``peer[op]`` is the matching op on the other rank and
+    ``token[op]`` the message a RECV delivers (-1 for a SEND).
+    """
+
+    def __init__(self, index: _Index) -> None:
+        ids, rank_of, node_step = index.ids, index.rank_of, index.node_step
+        S, M, SM = ids.S, ids.M, ids.SM
+        num_ranks = index.schedule.num_ranks
+        n = len(index.comm)
+        self.op_rank = [0] * n
+        self.op_step = [0] * n
+        self.op_action: list[Action] = [a for _, _, a in index.comm]
+        self.op_msg = [0] * n
+        self.token = [-1] * n
+        self.peer = [-1] * n
+        self.op_group = [0] * n
+        self.group_ops: list[list[int]] = []
+        self.group_rank: list[int] = []
+        self.group_start: list[int] = []
+        self.rank_groups: list[list[int]] = [[] for _ in range(num_ranks)]
+        send_op = [-1] * (2 * SM)
+        recv_op = [-1] * (2 * SM)
+        sends: dict[int, list[int]] = {}
+        recvs: dict[int, list[int]] = {}
+        last_rank, last_step = -1, -2
+        for op, (rank, step, action) in enumerate(index.comm):
+            kind, s, m = action.kind, action.stage, action.microbatch
+            assert m is not None
+            where = _Where(rank, step, action)
+            if kind is SEND_F or kind is RECV_F:
+                src = s if kind is SEND_F else s - 1
+                if src < 0 or src + 1 >= S:
+                    end = "last" if kind is SEND_F else "first"
+                    raise ScheduleError(f"{where}: stage {s} is the {end} stage; there is no forward message to carry")
+                msg, producer, consumer, dst_stage = src * M + m, src * M + m, (src + 1) * M + m, src + 1
+            else:
+                src = s if kind is SEND_B else s + 1
+                if src - 1 < 0 or src >= S:
+                    end = "first" if kind is SEND_B else "last"
+                    raise ScheduleError(f"{where}: stage {s} is the {end} stage; there is no gradient message to carry")
+                if not index.has_backward:
+                    raise ScheduleError(f"{where}: a forward-only schedule sends no gradients")
+                msg, producer, consumer, dst_stage = SM + src * M + m, SM + src * M + m, SM + (src - 1) * M + m, src - 1
+            a_rank, b_rank = rank_of[src], rank_of[dst_stage]
+            if a_rank == b_rank:
+                raise ScheduleError(
+                    f"{where}: stages {src} and {dst_stage} both live on rank {a_rank}; stages on the same rank "
+                    "pass tensors in memory, with no SEND/RECV between them"
+                )
+            is_send = kind is SEND_F or kind is SEND_B
+            table = send_op if is_send else recv_op
+            if table[msg] >= 0:
+                raise ScheduleError(f"{where}: duplicate {action}, already at step {self.op_step[table[msg]]}")
+            table[msg] = op
+            if is_send:
+                if node_step[producer] > step or node_step[producer] < 0:
+                    raise ScheduleError(
+                        f"{where}: sends the output of {_node_name(index, producer)} (step {node_step[producer]}), "
+                        "which has not run yet; "
+                        "a SEND must follow the action that produces its message"
+                    )
+                sends.setdefault(a_rank * num_ranks + b_rank, []).append(op)
+            else:
+                if node_step[consumer] < step:
+                    raise ScheduleError(
+                        f"{where}: receives for {_node_name(index, consumer)}, which already ran at step {node_step[consumer]}; "
+                        "a RECV must come before the action that consumes it"
+                    )
+                recvs.setdefault(a_rank * num_ranks + b_rank, []).append(op)
+                self.token[op] = 3 * SM + msg
+            self.op_rank[op], self.op_step[op], self.op_msg[op] = rank, step, msg
+            if rank != last_rank or step != last_step + 1:
+                self.group_ops.append([])
+                self.group_rank.append(rank)
+                self.group_start.append(step)
+                self.rank_groups[rank].append(len(self.group_ops) - 1)
+            self.group_ops[-1].append(op)
+            self.op_group[op] = len(self.group_ops) - 1
+            last_rank, last_step = rank, step
+        self._check_carried(index, send_op, recv_op)
+        self._match_fifo(index, sends, recvs)
+
+    def _check_carried(self, index: _Index, send_op: list[int], recv_op: list[int]) -> None:
+        """Every dependency between stages on different ranks has one SEND and one RECV."""
+        ids, rank_of, node_step, x_kind = index.ids, index.rank_of, index.node_step, index.x_kind
+        S, M, SM = ids.S, ids.M, ids.SM
+        prev_cross, next_cross = cross_rank_flags(rank_of)
+        for s in range(S):
+            for grad, cross in ((0, next_cross[s]), (1, prev_cross[s])):
+                if not cross or (grad and not index.has_backward):
+                    continue
+                for m in range(M):
+                    msg = grad * SM + s * M + m
+                    send, recv = ids.message_actions(msg)
+                    if send_op[msg] < 0:
+                        producer = Action(s, (I if x_kind[s * M + m] == _X_I else B) if grad else F, m)
+                        raise ScheduleError(
+                            f"{_where(rank_of[s], node_step[msg], producer)}: its output goes to stage {recv.stage} on "
+                            f"rank {rank_of[recv.stage]}, but no {send} follows it"
+                        )
+                    if recv_op[msg] < 0:
+                        c_stage = recv.stage
+                        c_node = (c_stage * M + m) if not grad else SM + c_stage * M + m
+                        consumer = Action(c_stage, (I if x_kind[c_stage * M + m] == _X_I else B) if grad else F, m)
+                        raise ScheduleError(
+                            f"{_where(rank_of[c_stage], node_step[c_node], consumer)}: needs {producer_name(send)} from "
+                            f"rank {rank_of[s]}, but no {recv} comes before it (the {send} at step "
+                            f"{self.op_step[send_op[msg]]} on rank {rank_of[s]} has no matching RECV)"
+                        )
+
+    def _match_fifo(self, index: _Index, sends: dict[int, list[int]], recvs: dict[int, list[int]]) -> None:
+        """The k-th SEND from a to b must carry what the k-th RECV on b from a expects."""
+        num_ranks = index.schedule.num_ranks
+        for pair, send_list in sends.items():
+            recv_list = recvs.get(pair, [])
+            a_rank, b_rank = divmod(pair, num_ranks)
+            for k, (s_op, r_op) in enumerate(zip(send_list, recv_list, strict=False)):
+                if self.op_msg[s_op] != self.op_msg[r_op]:
+                    raise ScheduleError(
+                        f"{_where(b_rank, self.op_step[r_op], self.op_action[r_op])}: FIFO order mismatch: message "
+                        f"{k + 1} from rank {a_rank} to rank {b_rank} is {self.op_action[s_op]} (rank {a_rank}, step "
+                        f"{self.op_step[s_op]}), but this RECV expects {producer_name(self.op_action[r_op])}; "
+                        "sends and receives between two ranks must be posted in the same order"
+                    )
+                self.peer[s_op] = r_op
+                self.peer[r_op] = s_op
+
+
+def producer_name(action: Action) -> str:
+    """For a SEND or RECV, the message it carries in words."""
+    kind, s, m = action.kind, action.stage, action.microbatch
+    if kind is SEND_F:
+        return f"the output of {s}F{m}"
+    if kind is RECV_F:
+        return f"the output of {s - 1}F{m}"
+    if kind is SEND_B:
+        return f"the input-gradient of stage {s} microbatch {m}"
+    return f"the input-gradient of stage {s + 1} microbatch {m}"
+
+
+# ------------------------------------------------------------ FSDP and gradients
+def _check_fsdp(index: _Index) -> None:
+    """UNSHARD/RESHARD alternate per stage; compute on a stage with UNSHARDs needs it unsharded."""
+    schedule = index.schedule
+    with_unshard = {a.stage for _, _, a in index.fsdp if a.kind is UNSHARD}
+    for rank, step, action in index.fsdp:
+        if action.kind is RESHARD and action.stage not in with_unshard:
+            raise ScheduleError(f"{_where(rank, step, action)}: stage {action.stage} is never unsharded")
+    ranks = sorted({index.rank_of[s] for s in with_unshard})
+    for rank in ranks:
+        unsharded: dict[int, bool] = dict.fromkeys((s for s in with_unshard if index.rank_of[s] == rank), False)
+        for step, a in enumerate(schedule.actions[rank]):
+            if a is None:
+                continue
+            kind = a.kind
+            if kind is UNSHARD:
+                if unsharded[a.stage]:
+                    raise ScheduleError(f"{_where(rank, step, a)}: stage {a.stage} is already unsharded")
+                unsharded[a.stage] = True
+            elif kind is RESHARD:
+                if not unsharded[a.stage]:
+                    raise ScheduleError(f"{_where(rank, step, a)}: stage {a.stage} is not unsharded")
+                unsharded[a.stage] = False
+            elif kind.is_compute:
+                for part in a.parts:
+                    if unsharded.get(part.stage) is False:
+                        raise ScheduleError(
+                            f"{_where(rank, step, a)}: stage {part.stage} is sharded here; an UNSHARD must "
+                            "precede its compute (and no RESHARD come between)"
+                        )
+
+
+def _check_reduce_grad(index: _Index) -> None:
+    """One REDUCE_GRAD per stage, after the stage's last B or W."""
+    ids, node_step = index.ids, index.node_step
+    M, SM = ids.M, ids.SM
+    seen: dict[int, int] = {}
+    for rank, step, action in index.reduce:
+        s = action.stage
+        where = _where(rank, step, action)
+        if not index.has_backward:
+            raise ScheduleError(f"{where}: a forward-only schedule has no gradients to reduce")
+        if s in seen:
+            raise ScheduleError(f"{where}: duplicate REDUCE_GRAD for stage {s}, already at step {seen[s]}")
+        seen[s] = step
+        for m in range(M):
+            sm = s * M + m
+            last = node_step[2 * SM + sm] if index.x_kind[sm] == _X_I else node_step[SM + sm]
+            if last > step:
+                kind = "W" if index.x_kind[sm] == _X_I else "B"
+                raise ScheduleError(
+                    f"{_where(rank, last, Action.parse(f'{s}{kind}{m}'))}: backward of stage {s} after its "
+                    f"{action} (step {step}); REDUCE_GRAD must follow the stage's last B or W"
+                )
+
+
+# ----------------------------------------------------------- abstract execution
+def _execute(index: _Index, comm: _CommPlan | None) -> None:
+    """Run every rank's program abstractly; raise naming each stuck rank if some never finish.
+
+    Tokens: compute nodes (done when the part ran) and, on lowered schedules, messages at
+    ``3SM + msg`` (done when the RECV carrying it completed). A cross-rank dependency waits on the
+    message token when the schedule is lowered, on the producer's node otherwise.
+    """
+    schedule = index.schedule
+    ids, rank_of = index.ids, index.rank_of
+    S, M, SM = ids.S, ids.M, ids.SM
+    R = schedule.num_ranks
+    programs = [schedule.actions[r] for r in range(R)]
+    lowered = comm is not None
+    prev_cross, next_cross = cross_rank_flags(rank_of)
+    if not lowered:
+        prev_cross = next_cross = [False] * S
+    msg_base = 3 * SM
+    done = bytearray(5 * SM)
+    waiting: dict[int, list[int]] = {}
+    blocked = [-1] * R
+    pc = [0] * R
+    queue = list(range(R))
+
+    # Communication state (lowered schedules only).
+    issued = [0] * R
+    head = [0] * R
+    if comm is not None:
+        group_ops, group_rank, rank_groups = comm.group_ops, comm.group_rank, comm.rank_groups
+        op_group, peer, token = comm.op_group, comm.peer, comm.token
+        remaining = [len(g) for g in group_ops]
+        started = bytearray(len(group_ops))
+    else:
+        group_ops, group_rank, rank_groups, op_group, peer, token = [], [], [], [], [], []
+        remaining, started = [], bytearray()
+
+    def complete(op: int) -> None:
+        g = op_group[op]
+        remaining[g] -= 1
+        t = token[op]
+        if t >= 0:
+            done[t] = 1
+            woken = waiting.pop(t, None)
+            if woken:
+                queue.extend(woken)
+        if not remaining[g]:
+            queue.append(group_rank[g])
+
+    def start_groups(rank: int) -> None:
+        groups = rank_groups[rank]
+        h = head[rank]
+        while h < issued[rank]:
+            g = groups[h]
+            if not started[g]:
+                started[g] = 1
+                for op in group_ops[g]:
+                    other = peer[op]
+                    if started[op_group[other]]:
+                        complete(op)
+                        complete(other)
+            if remaining[g]:
+                break
+            h += 1
+        head[rank] = h
+
+    def same_rank_later(rank: int, step: int, action: Action, need: int) -> ScheduleError:
+        return ScheduleError(
+            f"{_where(rank, step, action)}: needs {_node_name(index, need)}, which rank {rank} runs later "
+            f"(step {index.node_step[need]}); a dependency on the same rank must come first"
+        )
+
+    while queue:
+        r = queue.pop()
+        if lowered:
+            start_groups(r)
+        program = programs[r]
+        n = len(program)
+        i = pc[r]
+        while i < n:
+            a = program[i]
+            if a is None:
+                i += 1
+                continue
+            k = a.kind
+            if k is F:
+                s = a.stage
+                sm = s * M + a.microbatch  # type: ignore[operator]
+                if s:
+                    t = msg_base + sm - M if prev_cross[s] else sm - M
+                    if not done[t]:
+                        if t < msg_base and rank_of[s - 1] == r:
+                            raise same_rank_later(r, i, a, t)
+                        if blocked[r] != t:
+                            blocked[r] = t
+                            waiting.setdefault(t, []).append(r)
+                        break
+                done[sm] = 1
+                if waiting:
+                    woken = waiting.pop(sm, None)
+                    if woken:
+                        queue.extend(woken)
+            elif k is I or k is B:
+                s = a.stage
+                sm = s * M + a.microbatch  # type: ignore[operator]
+                if not done[sm]:
+                    raise same_rank_later(r, i, a, sm)
+                if s < S - 1:
+                    t = msg_base + SM + sm + M if next_cross[s] else SM + sm + M
+                    if not done[t]:
+                        if t < msg_base and rank_of[s + 1] == r:
+                            raise same_rank_later(r, i, a, t)
+                        if blocked[r] != t:
+                            blocked[r] = t
+                            waiting.setdefault(t, []).append(r)
+                        break
+                done[SM + sm] = 1
+                if waiting:
+                    woken = waiting.pop(SM + sm, None)
+                    if woken:
+                        queue.extend(woken)
+            elif k is W:
+                sm = a.stage * M + a.microbatch  # type: ignore[operator]
+                if not done[SM + sm]:
+                    raise same_rank_later(r, i, a, SM + sm)
+                done[2 * SM + sm] = 1
+            elif k is OVERLAP:
+                t = _run_overlap(index, a, r, i, done, prev_cross, next_cross, same_rank_later)
+                if t >= 0:
+                    if blocked[r] != t:
+                        blocked[r] = t
+                        waiting.setdefault(t, []).append(r)
+                    break
+                for node in _overlap_nodes(a, M, SM):
+                    woken = waiting.pop(node, None)
+                    if woken:
+                        queue.extend(woken)
+            elif k.is_comm:
+                assert comm is not None
+                g = rank_groups[r][issued[r]]
+                issued[r] += 1
+                i += len(group_ops[g])
+                start_groups(r)
+                continue
+            i += 1
+        pc[r] = i
+
+    stuck = [r for r in range(R) if pc[r] < len(programs[r]) or head[r] < len(rank_groups[r] if lowered else ())]
+    if stuck:
+        reasons = [_stuck_reason(index, comm, r, pc, blocked[r], head, started) for r in stuck]
+        where, why = reasons[0]
+        others = "".join(f"; also {w}: {y}" for w, y in reasons[1:8])
+        more = f"; and {len(reasons) - 8} more stuck ranks" if len(reasons) > 8 else ""
+        raise ScheduleError(f"{where}: deadlock: {why}{others}{more}")
+
+
+def _overlap_nodes(action: Action, M: int, SM: int) -> list[int]:
+    out = []
+    for part in action.parts:
+        sm = part.stage * M + part.microbatch  # type: ignore[operator]
+        out.append(sm if part.kind is F else (2 * SM + sm if part.kind is W else SM + sm))
+    return out
+
+
+def _run_overlap(
+    index: _Index,
+    action: Action,
+    rank: int,
+    step: int,
+    done: bytearray,
+    prev_cross: list[bool],
+    next_cross: list[bool],
+    later: object,
+) -> int:
+    """Run an OVERLAP_F_B if every part's inputs are there (earlier parts count); else the token it waits on."""
+    ids, rank_of = index.ids, index.rank_of
+    S, M, SM = ids.S, ids.M, ids.SM
+    msg_base = 3 * SM
+    own = set(_overlap_nodes(action, M, SM))
+    needs: list[int] = []
+    for part in action.parts:
+        s = part.stage
+        sm = s * M + part.microbatch  # type: ignore[operator]
+        if part.kind is F:
+            if s:
+                needs.append(msg_base + sm - M if prev_cross[s] else sm - M)
+        elif part.kind is W:
+            needs.append(SM + sm)
+        else:
+            needs.append(sm)
+            if s < S - 1:
+                needs.append(msg_base + SM + sm + M if next_cross[s] else SM + sm + M)
+    pending = [t for t in needs if not done[t] and t not in own]
+    for t in pending:
+        if t < msg_base and rank_of[(t % SM) // M] == rank:
+            raise later(rank, step, action, t)  # type: ignore[operator]
+    if pending:
+        return pending[0]
+    for node in own:
+        done[node] = 1
+    return -1
+
+
+def _node_name(index: _Index, node: int) -> str:
+    ids = index.ids
+    action = ids.node_action(node)
+    if ids.SM <= node < 2 * ids.SM and index.x_kind[node - ids.SM] == _X_I:
+        action = Action(action.stage, I, action.microbatch)
+    return str(action)
+
+
+def _stuck_reason(
+    index: _Index, comm: _CommPlan | None, rank: int, pc: list[int], token: int, head: list[int], started: bytearray
+) -> tuple[str, str]:
+    """Where ``rank`` is stuck and why, in words."""
+    program = index.schedule.actions[rank]
+    SM = index.ids.SM
+    if pc[rank] < len(program):
+        here = _where(rank, pc[rank], program[pc[rank]])
+        if token < 3 * SM:
+            who = index.rank_of[(token % SM) // index.ids.M]
+            return (
+                here,
+                f"waits for {_node_name(index, token)} (rank {who}, step {index.node_step[token]}), which never runs",
+            )
+        assert comm is not None
+        msg = token - 3 * SM
+        op = next(o for o in range(len(comm.op_msg)) if comm.op_msg[o] == msg and comm.token[o] >= 0)
+        why = _op_reason(index, comm, op, pc, head, started)
+        return here, f"waits for its {comm.op_action[op]} (step {comm.op_step[op]}), which {why}"
+    assert comm is not None
+    g = comm.rank_groups[rank][head[rank]]
+    op = next(o for o in comm.group_ops[g] if not started[comm.op_group[comm.peer[o]]])
+    why = _op_reason(index, comm, op, pc, head, started)
+    return _where(rank, comm.op_step[op], comm.op_action[op]), f"its communication group never ends: this op {why}"
+
+
+def _op_reason(index: _Index, comm: _CommPlan, op: int, pc: list[int], head: list[int], started: bytearray) -> str:
+    """Why communication op ``op`` never completes (its group or its peer's never starts)."""
+    g = comm.op_group[op]
+    if not started[g]:
+        return f"never starts: {_group_blocker(index, comm, comm.group_rank[g], pc, head)}"
+    other = comm.peer[op]
+    o_rank, o_step = comm.op_rank[other], comm.op_step[other]
+    return (
+        f"never completes: the matching {comm.op_action[other]} (rank {o_rank}, step {o_step}) never starts, as "
+        f"{_group_blocker(index, comm, o_rank, pc, head, o_step)}"
+    )
+
+
+def _group_blocker(index: _Index, comm: _CommPlan, rank: int, pc: list[int], head: list[int], step: int = -1) -> str:
+    if step >= 0 and pc[rank] <= step:
+        return f"rank {rank} never gets past step {pc[rank]}"
+    blocker = comm.rank_groups[rank][head[rank]]
+    first = comm.group_ops[blocker][0]
+    return (
+        f"rank {rank}'s earlier communication group at step {comm.group_start[blocker]} "
+        f"({comm.op_action[first]}, ...) never ends (NCCL runs one group after another)"
+    )

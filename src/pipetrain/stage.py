@@ -1,0 +1,255 @@
+"""One pipeline stage: the model computation of F, B, I and W for one microbatch at a time.
+
+The stage does no communication: the executor hands it inputs (received floating tensors already
+made leaves that require grad), output gradients or the loss, and sends what it returns. Per
+microbatch it keeps only what backward needs and drops it as soon as the last backward ran.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+from pipetrain._backward import (
+    SavedTensors,
+    WeightGradPlan,
+    backward_full,
+    backward_input,
+    backward_weight,
+    defer_all,
+)
+from pipetrain.errors import PipelineError
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+__all__ = ["PipelineStage"]
+
+
+@dataclass
+class _Microbatch:
+    """Everything one microbatch keeps between its forward and its last backward."""
+
+    inputs: list[torch.Tensor]  # input leaves that require grad, pytree order
+    needed: list[bool]  # per flattened input leaf: does it get a gradient back
+    output_edges: list[GradientEdge]  # per output leaf that requires grad, pytree order
+    outputs: list[torch.Tensor] = field(default_factory=list)  # output tensors (for freeing storage)
+    out_needs_grad: list[bool] = field(default_factory=list)  # per output tensor leaf
+    saved: SavedTensors | None = None
+    plan: WeightGradPlan | None = None  # set by I, consumed by W
+
+
+def _as_device(device: torch.device | str | int) -> torch.device:
+    if isinstance(device, int):
+        return torch.device("cuda", device) if torch.cuda.is_available() else torch.device("cpu")
+    return torch.device(device)
+
+
+class PipelineStage:
+    """Stage ``stage_index`` of ``num_stages``, running ``submodule`` on ``device``.
+
+    ``track_saved_tensors`` (default on) routes the tensors autograd saves through this stage, so
+    they are released right after the last backward of their microbatch, what only the input-grad
+    pass needed is released right after I, and :meth:`free_output_storage` can tell which outputs
+    autograd still needs. Turn it off for modules that cannot run under saved-tensor hooks.
+    """
+
+    def __init__(
+        self,
+        submodule: torch.nn.Module,
+        stage_index: int,
+        num_stages: int,
+        device: torch.device | str | int,
+        group: dist.ProcessGroup | None = None,
+        *,
+        track_saved_tensors: bool = True,
+    ) -> None:
+        if num_stages < 1 or not 0 <= stage_index < num_stages:
+            raise PipelineError(f"stage_index {stage_index} is outside 0..{num_stages - 1} (num_stages={num_stages})")
+        self.submodule = submodule
+        self.stage_index = stage_index
+        self.num_stages = num_stages
+        self.device = _as_device(device)
+        self.group = group
+        self.track_saved_tensors = track_saved_tensors
+        self._mbs: dict[int, _Microbatch] = {}
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.num_stages - 1
+
+    def __repr__(self) -> str:
+        return f"PipelineStage(stage_index={self.stage_index}, num_stages={self.num_stages}, device={self.device})"
+
+    def _where(self, mb: int, action: str) -> str:
+        return f"stage {self.stage_index}, microbatch {mb}, action {self.stage_index}{action}{mb}"
+
+    # ------------------------------------------------------------------ forward
+    def forward_one_chunk(self, mb: int, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Any:
+        """F: run the submodule; under grad mode keep what backward of ``mb`` needs."""
+        kwargs = kwargs or {}
+        if not torch.is_grad_enabled():
+            return self.submodule(*args, **kwargs)
+        if mb in self._mbs:
+            raise PipelineError(f"{self._where(mb, 'F')}: forward ran again before the backward of its previous run")
+        leaves, spec = pytree.tree_flatten((tuple(args), kwargs))
+        needed = [isinstance(t, torch.Tensor) and t.requires_grad for t in leaves]
+        # Cut inputs from any graph upstream: this stage's backward ends at its inputs.
+        leaves = [
+            t.detach().requires_grad_() if need and t.grad_fn is not None else t
+            for t, need in zip(leaves, needed, strict=True)
+        ]
+        args, kwargs = pytree.tree_unflatten(leaves, spec)
+        saved = SavedTensors(f"stage {self.stage_index}, microbatch {mb}") if self.track_saved_tensors else None
+        if saved is None:
+            output = self.submodule(*args, **kwargs)
+        else:
+            with saved.hooks():
+                output = self.submodule(*args, **kwargs)
+        out_tensors = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
+        self._mbs[mb] = _Microbatch(
+            inputs=[t for t, need in zip(leaves, needed, strict=True) if need],
+            needed=needed,
+            output_edges=[get_gradient_edge(t) for t in out_tensors if t.requires_grad],
+            outputs=out_tensors,
+            out_needs_grad=[t.requires_grad for t in out_tensors],
+            saved=saved,
+        )
+        return output
+
+    def input_grads_needed(self, mb: int) -> list[bool]:
+        """Per flattened input leaf of ``mb``: a tensor that requires grad (gets a gradient back)."""
+        return list(self._get(mb, "F").needed)
+
+    def output_grads_needed(self, mb: int) -> list[bool]:
+        """Per flattened output leaf of ``mb`` that is a tensor: does it require grad."""
+        return list(self._get(mb, "F").out_needs_grad)
+
+    # ----------------------------------------------------------------- backward
+    def backward_one_chunk(
+        self,
+        mb: int,
+        *,
+        loss: torch.Tensor | None = None,
+        grad_outputs: list[torch.Tensor | None] | None = None,
+        full: bool = True,
+    ) -> list[torch.Tensor | None]:
+        """B (``full=True``) or I (``full=False``) for ``mb``; returns the needed input grads."""
+        kind = "B" if full else "I"
+        state = self._get(mb, kind)
+        if state.plan is not None:
+            raise PipelineError(f"{self._where(mb, kind)}: the input-grad backward (I) already ran")
+        edges, grads = self._roots(mb, kind, state, loss, grad_outputs)
+        try:
+            if full:
+                result = backward_full(edges, grads, state.inputs)
+            elif not state.inputs:
+                result, state.plan = [], defer_all(edges, grads)
+            else:
+                result, state.plan = backward_input(edges, grads, state.inputs, state.saved)
+        except PipelineError:
+            raise
+        except RuntimeError as exc:
+            raise PipelineError(f"{self._where(mb, kind)}: backward failed: {exc}") from exc
+        if full:
+            self._drop(mb)
+        else:
+            state.output_edges, state.outputs = [], []
+        return result
+
+    def backward_weight_one_chunk(self, mb: int) -> None:
+        """W for ``mb``: weight grads from what I kept (accumulated into ``.grad``), then drop ``mb``."""
+        state = self._get(mb, "W")
+        if state.plan is None:
+            raise PipelineError(
+                f"{self._where(mb, 'W')}: the weight-grad backward needs the input-grad backward (I) first"
+            )
+        try:
+            backward_weight(state.plan)
+        except PipelineError:
+            raise
+        except RuntimeError as exc:
+            raise PipelineError(f"{self._where(mb, 'W')}: backward failed: {exc}") from exc
+        self._drop(mb)
+
+    def _roots(
+        self,
+        mb: int,
+        kind: str,
+        state: _Microbatch,
+        loss: torch.Tensor | None,
+        grad_outputs: list[torch.Tensor | None] | None,
+    ) -> tuple[list[GradientEdge], list[torch.Tensor | None]]:
+        if loss is not None:
+            if grad_outputs is not None:
+                raise PipelineError(f"{self._where(mb, kind)}: give either loss or grad_outputs, not both")
+            if loss.numel() != 1:
+                raise PipelineError(f"{self._where(mb, kind)}: loss must be a scalar, got shape {tuple(loss.shape)}")
+            if not loss.requires_grad:
+                raise PipelineError(f"{self._where(mb, kind)}: loss does not require grad (no path to any parameter)")
+            return [get_gradient_edge(loss)], [torch.ones_like(loss)]
+        if grad_outputs is None:
+            raise PipelineError(f"{self._where(mb, kind)}: needs the loss (last stage) or grad_outputs")
+        if len(grad_outputs) != len(state.output_edges):
+            raise PipelineError(
+                f"{self._where(mb, kind)}: got {len(grad_outputs)} output gradients for "
+                f"{len(state.output_edges)} outputs that require grad"
+            )
+        return list(state.output_edges), list(grad_outputs)
+
+    # ------------------------------------------------------------------- memory
+    def free_output_storage(self, mb: int) -> None:
+        """Release the storage of ``mb``'s outputs (after they were sent); their autograd nodes stay.
+
+        Only tensors this forward computed are freed, and only when autograd did not save them for
+        backward (then backward needs the data). Without saved-tensor tracking nothing is freed.
+        """
+        state = self._mbs.get(mb)
+        if state is None or state.saved is None:
+            return
+        keep = state.saved.storage_ptrs()
+        keep.update(t.untyped_storage().data_ptr() for t in state.inputs)
+        for t in state.outputs:
+            if t.grad_fn is None or t._base is not None or t.untyped_storage().data_ptr() in keep:
+                continue
+            if t.untyped_storage().nbytes() == 0:
+                continue
+            t.data = torch.empty((0,), dtype=t.dtype, device=t.device)
+        state.outputs = []
+
+    def clear(self) -> None:
+        """Drop every microbatch's state (end of step, or after an error)."""
+        for mb in list(self._mbs):
+            self._drop(mb)
+
+    def scale_grads(self, factor: float) -> None:
+        """Divide every parameter gradient by ``factor`` (once per step, e.g. n_microbatches)."""
+        with torch.no_grad():
+            for p in self.submodule.parameters():
+                if p.grad is not None:
+                    p.grad.div_(factor)
+
+    def has_state(self) -> bool:
+        return bool(self._mbs)
+
+    def _get(self, mb: int, kind: str) -> _Microbatch:
+        state = self._mbs.get(mb)
+        if state is None:
+            raise PipelineError(
+                f"{self._where(mb, kind)}: no forward state for this microbatch "
+                "(its forward did not run with grad enabled, or its backward already finished)"
+            )
+        return state
+
+    def _drop(self, mb: int) -> None:
+        state = self._mbs.pop(mb, None)
+        if state is not None and state.saved is not None:
+            state.saved.release_all()

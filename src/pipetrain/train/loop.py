@@ -1,0 +1,243 @@
+"""The training loop run on every rank of ``pipetrain train``.
+
+Every rank builds the same model from the same seed, keeps the stages the schedule places on it,
+and draws the same batch each step (a pure function of seed and step), so nothing but the
+pipeline's own activations and gradients crosses ranks. The rank holding the last stage sees the
+losses; it reports progress, writes the timelines and, with ``check``, replays the run without
+pipelining to compare losses.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipetrain.errors import PipelineError
+from pipetrain.plan.generators import build_schedule
+from pipetrain.plan.schedule import Schedule
+from pipetrain.train.data import TextData
+from pipetrain.train.launch import DistEnv, init_process_group
+from pipetrain.train.model import GPT, MODEL_SIZES, GPTConfig, lm_loss
+from pipetrain.train.progress import StepReporter
+
+__all__ = ["CHECK_RTOL", "TrainConfig", "TrainResult", "plan_for", "reference_losses", "run_rank"]
+
+CHECK_RTOL = 1e-4
+
+
+@dataclass
+class TrainConfig:
+    """Everything one run needs; the same object goes to every rank."""
+
+    ranks: int = 2
+    stages_per_rank: int | None = None
+    schedule: str = "ZBVZeroBubble"
+    microbatches: int = 8
+    steps: int = 40
+    batch_size: int = 16
+    device: str = "cpu"
+    out: str | None = None
+    seed: int = 0
+    check: bool = False
+    model: str = "small"
+    lr: float = 3e-3
+    max_text_bytes: int = 4 * 1024 * 1024
+    timeout_s: float = 300.0
+
+    @property
+    def model_config(self) -> GPTConfig:
+        try:
+            return MODEL_SIZES[self.model]
+        except KeyError:
+            raise PipelineError(f"unknown model size {self.model!r}; choose one of {', '.join(MODEL_SIZES)}") from None
+
+
+@dataclass
+class TrainResult:
+    """What the reporting rank learned: per-step losses, and the reference's when checked."""
+
+    losses: list[float] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)
+    reference: list[float] | None = None
+    files: list[str] = field(default_factory=list)
+
+
+def plan_for(cfg: TrainConfig, world_size: int) -> Schedule:
+    """The compute-only schedule this run follows: built by name, or read from a CSV/JSON file."""
+    source = cfg.schedule
+    if source.lower().endswith((".csv", ".json")) or "/" in source:
+        schedule = Schedule.load(source)
+        if schedule.num_ranks != world_size:
+            raise PipelineError(f"{source} is a schedule for {schedule.num_ranks} ranks, but {world_size} ranks run")
+    else:
+        schedule = build_schedule(source, world_size, cfg.microbatches, cfg.stages_per_rank)
+    schedule.validate()
+    return schedule
+
+
+def run_rank(env: DistEnv, cfg: TrainConfig) -> TrainResult | None:
+    """One rank's whole run: join the group, train, report. Returns the result on the reporting rank."""
+    device = init_process_group(env, cfg.device, cfg.timeout_s)
+    try:
+        return _train(env, cfg, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(env: DistEnv, cfg: TrainConfig, device: torch.device) -> TrainResult | None:
+    import pipetrain  # the runtime names load lazily
+
+    schedule = plan_for(cfg, env.world_size)
+    num_stages = schedule.num_stages
+    last_stage = num_stages - 1
+    mcfg = cfg.model_config
+    torch.manual_seed(cfg.seed)
+    model = GPT(mcfg)
+    parts = model.split(num_stages)
+    mine = [s for s in range(num_stages) if schedule.stage_to_rank[s] == env.rank]
+    stages = [pipetrain.PipelineStage(parts[s].to(device), s, num_stages, device) for s in mine]
+    sched = _make_schedule(pipetrain, cfg, schedule, stages)
+    params = [p for s in mine for p in parts[s].parameters()]
+    optimizer = torch.optim.Adam(params, lr=cfg.lr)
+    data = TextData.from_stdlib(cfg.max_text_bytes)
+
+    reporting = last_stage in mine
+    has_first = 0 in mine
+    result = TrainResult() if reporting else None
+    reporter = (
+        StepReporter(cfg.steps, title=f"{schedule.name or 'schedule'} × {env.world_size} ranks") if reporting else None
+    )
+    tokens = cfg.batch_size * mcfg.seq_len
+    measured = None
+    origin = 0.0
+    try:
+        for step in range(cfg.steps):
+            x, y = data.batch(step, cfg.batch_size, mcfg.seq_len, seed=cfg.seed)
+            args = (x.to(device),) if has_first else ()
+            kwargs: dict[str, Any] = {"target": y.to(device), "losses": []} if reporting else {}
+            if step == cfg.steps - 1:
+                dist.barrier()  # line the ranks up so the recorded step starts together
+            t0 = time.perf_counter()
+            origin = t0
+            sched.step(*args, **kwargs)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            dt = time.perf_counter() - t0
+            if reporting and result is not None and reporter is not None:
+                loss = float(torch.stack([torch.as_tensor(v).detach().float() for v in kwargs["losses"]]).mean())
+                result.losses.append(loss)
+                result.step_times.append(dt)
+                reporter.update(step, loss, tokens / dt)
+        measured = _gather_timeline(sched, env, origin)
+    finally:
+        if reporter is not None:
+            reporter.close()
+
+    if reporting and result is not None:
+        print(f"final loss {result.losses[-1]:.4f} (first {result.losses[0]:.4f}) after {cfg.steps} steps", flush=True)
+        if cfg.out:
+            from pipetrain.train.outputs import write_outputs
+
+            result.files = write_outputs(Path(cfg.out), schedule, measured, result, cfg, tokens)
+            print(f"wrote {', '.join(result.files)}", flush=True)
+        if cfg.check:
+            result.reference = reference_losses(cfg, device, schedule.num_microbatches)
+            _report_check(result)
+    dist.barrier()
+    if reporting and result is not None and result.reference is not None and not _agrees(result):
+        raise PipelineError(_mismatch(result))
+    return result
+
+
+def _make_schedule(pipetrain: Any, cfg: TrainConfig, schedule: Schedule, stages: list[Any]) -> Any:
+    if cfg.schedule.lower().endswith((".csv", ".json")) or "/" in cfg.schedule:
+        return pipetrain.PipelineScheduleRuntime(stages, schedule, loss_fn=lm_loss)
+    cls = pipetrain.get_schedule_class(cfg.schedule)
+    single = isinstance(cls, type) and issubclass(cls, pipetrain.PipelineScheduleSingle)
+    return cls(stages[0] if single else stages, schedule.num_microbatches, loss_fn=lm_loss)
+
+
+def _gather_timeline(sched: Any, env: DistEnv, origin: float) -> Any:
+    """Every rank's recorded events of the last step on one time axis, on every rank (None if not recorded).
+
+    ``origin`` is this rank's ``perf_counter`` right after the barrier that started the step
+    together on all ranks; measuring from it puts events of different machines, whose clocks
+    do not agree, on one axis (to within the barrier's skew).
+    """
+    from pipetrain.plan.timeline import Timeline, TimelineEvent
+
+    local = getattr(sched, "last_timeline", None)
+    mine = None
+    if local is not None:
+        events = [e for e in local.events if e.rank == env.rank]
+        # Times on the perf_counter clock are made relative to the barrier; times that are
+        # already relative to the step's start (smaller than the barrier's clock reading) stay.
+        shift = origin if events and min(e.start for e in events) >= origin - 1.0 else 0.0
+        mine = [
+            TimelineEvent(e.rank, e.action, e.kind, e.stage, e.microbatch, e.start - shift, e.end - shift)
+            for e in events
+        ]
+    gathered: list[Any] = [None] * env.world_size
+    dist.all_gather_object(gathered, mine)
+    if any(part is None for part in gathered):
+        return None
+    return Timeline(env.world_size, [e for part in gathered for e in part], source="measured", unit="s")
+
+
+def reference_losses(cfg: TrainConfig, device: torch.device, n_microbatches: int | None = None) -> list[float]:
+    """The same model, init, data and optimizer trained without pipelining; one loss per step.
+
+    The loss is the mean of the microbatch losses over the same split the pipeline uses, which
+    equals the whole-batch mean when the batch divides evenly.
+    """
+    mcfg = cfg.model_config
+    torch.manual_seed(cfg.seed)
+    model: nn.Module = GPT(mcfg).to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    data = TextData.from_stdlib(cfg.max_text_bytes)
+    schedule_mb = n_microbatches or cfg.microbatches
+    losses = []
+    for step in range(cfg.steps):
+        x, y = data.batch(step, cfg.batch_size, mcfg.seq_len, seed=cfg.seed)
+        logits = model(x.to(device))
+        y = y.to(device)
+        chunks = list(zip(torch.tensor_split(logits, schedule_mb), torch.tensor_split(y, schedule_mb), strict=True))
+        loss = torch.stack([lm_loss(lo, ta) for lo, ta in chunks if ta.numel()]).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def _agrees(result: TrainResult) -> bool:
+    ref = result.reference or []
+    return len(ref) == len(result.losses) and all(
+        math.isclose(a, b, rel_tol=CHECK_RTOL, abs_tol=0.0) for a, b in zip(result.losses, ref, strict=True)
+    )
+
+
+def _report_check(result: TrainResult) -> None:
+    ref = result.reference or []
+    worst = max((abs(a - b) / max(abs(b), 1e-12) for a, b in zip(result.losses, ref, strict=True)), default=0.0)
+    verdict = "agree" if _agrees(result) else "DISAGREE"
+    print(
+        f"check: pipelined final loss {result.losses[-1]:.6f}, plain final loss {ref[-1]:.6f}; "
+        f"largest relative difference over {len(ref)} steps {worst:.2e} (tolerance {CHECK_RTOL:.0e}): {verdict}",
+        flush=True,
+    )
+
+
+def _mismatch(result: TrainResult) -> str:
+    ref = result.reference or []
+    for step, (a, b) in enumerate(zip(result.losses, ref, strict=True)):
+        if not math.isclose(a, b, rel_tol=CHECK_RTOL, abs_tol=0.0):
+            return f"--check failed at step {step + 1}: pipelined loss {a:.6f} vs plain {b:.6f} (rtol {CHECK_RTOL:.0e})"
+    return f"--check failed: {len(result.losses)} pipelined losses vs {len(ref)} plain ones"

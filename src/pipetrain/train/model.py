@@ -1,0 +1,125 @@
+"""A small GPT-style language model whose layers are a flat list, so it cuts into stages.
+
+Layer list: ``[Embedding, Block × n_layers, Head]``. Every layer maps one tensor to one tensor
+(token ids → hidden states → logits), which is what a pipeline stage hands to the next.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+
+from pipetrain.split import split_sequential
+
+__all__ = ["GPT", "MODEL_SIZES", "Block", "Embedding", "GPTConfig", "Head", "lm_loss"]
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Sizes of the model. ``vocab_size`` 256 fits the byte-level tokenizer."""
+
+    vocab_size: int = 256
+    seq_len: int = 64
+    d_model: int = 64
+    n_heads: int = 4
+    n_layers: int = 4
+    mlp_ratio: int = 4
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+# Named sizes for the command line: "tiny" keeps tests fast, "small" is the demo's default.
+MODEL_SIZES: dict[str, GPTConfig] = {
+    "tiny": GPTConfig(seq_len=32, d_model=32, n_heads=2, n_layers=2),
+    "small": GPTConfig(),
+    "base": GPTConfig(seq_len=128, d_model=256, n_heads=8, n_layers=8),
+}
+
+
+class Embedding(nn.Module):
+    """Token embedding plus learned positions: ``(batch, seq)`` int64 → ``(batch, seq, d_model)``."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.positions = nn.Embedding(cfg.seq_len, cfg.d_model)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.tokens(idx) + self.positions(pos)
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: causal self-attention then an MLP, each with a residual."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        if cfg.d_model % cfg.n_heads:
+            raise ValueError(f"d_model {cfg.d_model} is not divisible by n_heads {cfg.n_heads}")
+        self.n_heads = cfg.n_heads
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model),
+            nn.GELU(),
+            nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.ln2(x))
+
+
+class Head(nn.Module):
+    """Final LayerNorm and the projection to vocabulary logits."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(cfg.d_model)
+        self.out = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.ln(x))
+
+
+class GPT(nn.Sequential):
+    """``GPT(cfg)(tokens) -> logits``; an ``nn.Sequential``, so :meth:`split` can cut it anywhere."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__(Embedding(cfg), *(Block(cfg) for _ in range(cfg.n_layers)), Head(cfg))
+        self.cfg = cfg
+        self.apply(_init_weights)
+
+    def split(self, num_stages: int, *, by: str = "params") -> list[nn.Sequential]:
+        """The model cut into ``num_stages`` stages; the stages share this model's parameters."""
+        if num_stages > len(self):
+            raise ValueError(
+                f"a GPT with {self.cfg.n_layers} blocks has {len(self)} layers, too few for {num_stages} stages"
+            )
+        sample = torch.zeros(1, self.cfg.seq_len, dtype=torch.long) if by == "time" else None
+        return split_sequential(self, num_stages, by=by, sample_input=sample)
+
+
+def _init_weights(module: nn.Module) -> None:
+    # GPT-2's initialisation: small normal weights, zero biases.
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight, std=0.02)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.Embedding):
+        nn.init.normal_(module.weight, std=0.02)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy; the pipeline's ``loss_fn(output, target)``."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

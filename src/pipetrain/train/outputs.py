@@ -1,0 +1,152 @@
+"""What ``pipetrain train`` leaves in ``--out``: the last step measured beside its simulation.
+
+The simulation uses the schedule that ran and a cost model taken from the measurement itself
+(mean seconds of F, B, I and W per stage), so the two pictures share a unit and differ only
+by what the cost model leaves out: communication, waiting and per-action overhead.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from pipetrain.plan.schedule import Schedule
+from pipetrain.plan.timeline import Timeline
+
+__all__ = ["bubble_fraction", "costs_from_timeline", "write_outputs"]
+
+_COMPUTE = ("F", "B", "I", "W", "OVERLAP_F_B")
+
+
+def bubble_fraction(timeline: Timeline) -> float:
+    """Share of ranks × step time not spent in compute actions (0 = no bubble)."""
+    span = timeline.makespan
+    if span <= 0 or timeline.num_ranks == 0:
+        return 0.0
+    busy = sum(e.duration for e in timeline.events if e.kind in _COMPUTE)
+    return max(0.0, 1.0 - busy / (span * timeline.num_ranks))
+
+
+def costs_from_timeline(timeline: Timeline, num_stages: int) -> dict[str, Any]:
+    """Per-stage mean seconds of F, B, I, W measured in ``timeline`` (keyword arguments of ``Costs``)."""
+    samples: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for e in timeline.events:
+        if e.kind in ("F", "B", "I", "W"):
+            samples[(e.kind, e.stage)].append(e.duration)
+    out: dict[str, Any] = {}
+    for kind in ("F", "B", "I", "W"):
+        if not any((kind, s) in samples for s in range(num_stages)):
+            continue
+        everywhere = statistics.fmean(d for s in range(num_stages) for d in samples.get((kind, s), []))
+        out[kind.lower()] = [
+            statistics.fmean(samples[(kind, s)]) if (kind, s) in samples else everywhere for s in range(num_stages)
+        ]
+    if "b" not in out and "i" in out and "w" in out:
+        out["b"] = [i + w for i, w in zip(out["i"], out["w"], strict=True)]
+    if "i" not in out and "b" in out:
+        out["i"] = [b / 2 for b in out["b"]]
+        out["w"] = [b / 2 for b in out["b"]]
+    out.setdefault("f", [0.0] * num_stages)
+    return out
+
+
+def _simulate(schedule: Schedule, measured: Timeline) -> Timeline | None:
+    try:
+        from pipetrain.plan.costs import Costs
+        from pipetrain.plan.simulate import simulate
+    except ImportError:
+        return None
+    costs = Costs(**costs_from_timeline(measured, schedule.num_stages), comm=0.0)
+    result = simulate(schedule, costs)
+    timeline: Timeline = result.timeline
+    timeline.title = f"{schedule.name or 'schedule'}: simulated (measured mean F/B/I/W per stage, no comm)"
+    timeline.unit = "s"
+    return timeline
+
+
+def _draw(timeline: Timeline, png: Path, trace: Path) -> list[Path]:
+    written = []
+    try:
+        from pipetrain.plan.render import render_png
+    except ImportError:
+        render_png = None
+    if render_png is not None:
+        render_png(timeline, png)
+        written.append(png)
+    try:
+        from pipetrain.plan.trace import write_chrome_trace
+    except ImportError:
+        write_chrome_trace = None
+    if write_chrome_trace is not None:
+        write_chrome_trace(timeline, trace)
+        written.append(trace)
+    return written
+
+
+def write_outputs(
+    out: Path, schedule: Schedule, measured: Timeline | None, result: Any, cfg: Any, tokens_per_step: int
+) -> list[str]:
+    """Write timelines (JSON, PNG, Chrome trace) and ``summary.md`` / ``summary.json``; return the paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    summary: dict[str, Any] = {
+        "schedule": schedule.name or cfg.schedule,
+        "ranks": schedule.num_ranks,
+        "stages": schedule.num_stages,
+        "microbatches": schedule.num_microbatches,
+        "steps": cfg.steps,
+        "batch_size": cfg.batch_size,
+        "model": cfg.model,
+        "device": cfg.device,
+        "first_loss": result.losses[0],
+        "final_loss": result.losses[-1],
+        "losses": result.losses,
+        "tokens_per_s_last": tokens_per_step / result.step_times[-1],
+    }
+    simulated = None
+    if measured is not None:
+        measured.title = f"{schedule.name or 'schedule'}: measured last step ({cfg.device})"
+        measured.to_json(out / "measured_timeline.json")
+        written.append(out / "measured_timeline.json")
+        written += _draw(measured, out / "measured_timeline.png", out / "measured_trace.json")
+        simulated = _simulate(schedule, measured)
+        summary["measured_step_s"] = measured.makespan
+        summary["measured_bubble"] = bubble_fraction(measured)
+    if simulated is not None:
+        simulated.to_json(out / "simulated_timeline.json")
+        written.append(out / "simulated_timeline.json")
+        written += _draw(simulated, out / "simulated_timeline.png", out / "simulated_trace.json")
+        summary["simulated_step_s"] = simulated.makespan
+        summary["simulated_bubble"] = bubble_fraction(simulated)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    (out / "summary.md").write_text(_summary_md(summary), encoding="utf-8")
+    written += [out / "summary.json", out / "summary.md"]
+    return [str(p) for p in written]
+
+
+def _summary_md(s: dict[str, Any]) -> str:
+    lines = [
+        f"# pipetrain train: {s['schedule']}",
+        "",
+        f"{s['ranks']} ranks, {s['stages']} stages, {s['microbatches']} microbatches, batch {s['batch_size']}, "
+        f"model {s['model']} on {s['device']}, {s['steps']} steps.",
+        "",
+        f"Loss {s['first_loss']:.4f} → {s['final_loss']:.4f}; last step {s['tokens_per_s_last']:,.0f} tokens/s.",
+        "",
+    ]
+    if "measured_step_s" in s:
+        lines += ["| last step | step time | bubble |", "|---|---|---|"]
+        lines.append(f"| measured | {s['measured_step_s'] * 1e3:.1f} ms | {s['measured_bubble']:.1%} |")
+        if "simulated_step_s" in s:
+            lines.append(f"| simulated | {s['simulated_step_s'] * 1e3:.1f} ms | {s['simulated_bubble']:.1%} |")
+            lines += [
+                "",
+                "The simulation runs the same schedule with each stage's mean measured F/B/I/W time and free "
+                "communication; the gap to the measurement is communication, waiting and per-action overhead.",
+            ]
+    else:
+        lines.append("(the runtime recorded no timeline for this step)")
+    return "\n".join(lines) + "\n"

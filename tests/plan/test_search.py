@@ -1,0 +1,78 @@
+"""auto_schedule / rank_schedules / `pipetrain plan`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pipetrain.cli import main
+from pipetrain.plan import Costs, Schedule, ScheduleError, auto_schedule, build_schedule, simulate
+from pipetrain.plan.search import rank_schedules
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (4, 8), (4, 6), (8, 32)])
+def test_best_is_no_slower_than_any_fitting_candidate(p: int, m: int) -> None:
+    costs = Costs(f=1, b=2, comm=0.25)
+    limit = float(p)
+    ranked = rank_schedules(p, m, costs, limit)
+    best = auto_schedule(p, m, costs, limit)
+    fitting = [c for c in ranked if c.fits]
+    assert fitting and best == fitting[0].schedule
+    assert all(fitting[0].result.makespan <= c.result.makespan for c in fitting)
+    assert all(not c.fits for c in ranked[len(fitting) :])
+    # 1F1B fits p microbatches by construction, so the plan is never slower than it.
+    one_f_one_b = simulate(build_schedule("1F1B", p, m), costs)
+    assert fitting[0].result.makespan <= one_f_one_b.makespan + 1e-9
+    best.validate()
+
+
+def test_split_backward_beats_1f1b_at_the_same_memory() -> None:
+    costs = Costs(f=1, i=1, w=1)
+    best = rank_schedules(4, 16, costs, memory_limit=4)[0]
+    assert best.fits and best.name != "1F1B"
+    assert best.result.makespan < simulate(build_schedule("1F1B", 4, 16), costs).makespan
+
+
+def test_memory_limit_is_respected_and_reported() -> None:
+    costs = Costs(f=1, b=2)
+    for limit in (4.0, 6.0, 100.0):
+        for cand in rank_schedules(4, 12, costs, limit):
+            assert cand.fits == (cand.memory <= limit + 1e-9)
+            assert cand.memory == pytest.approx(cand.result.max_peak_memory / cand.stages_per_rank)
+    with pytest.raises(ScheduleError, match="no schedule fits memory_limit=1"):
+        auto_schedule(4, 12, costs, memory_limit=1)
+
+
+def test_per_stage_costs_fix_the_number_of_stages() -> None:
+    costs = Costs(f=[2, 1, 1, 1, 1, 1, 1, 2], b=[4, 2, 2, 2, 2, 2, 2, 4])
+    assert {c.stages_per_rank for c in rank_schedules(4, 8, costs)} == {2}
+    with pytest.raises(ScheduleError, match="not a multiple of num_ranks=3"):
+        rank_schedules(3, 8, costs)
+    with pytest.raises(ScheduleError, match="contradicts"):
+        rank_schedules(4, 8, costs, stages_per_rank=1)
+
+
+def test_bytes_limit_when_activation_bytes_given() -> None:
+    costs = Costs(f=1, b=2, activation_bytes=100.0)
+    for cand in rank_schedules(2, 4, costs, memory_limit=250.0):
+        assert cand.result.peak_memory_bytes is not None
+        assert cand.memory == max(cand.result.peak_memory_bytes.values())
+        assert cand.fits == (cand.memory <= 250.0)
+
+
+def test_cli_plan_writes_a_valid_schedule(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "best.csv"
+    assert (
+        main(["plan", "-p", "4", "-m", "8", "--costs", "f=1,b=2,comm=0.5", "--memory-limit", "4", "--csv", str(out)])
+        == 0
+    )
+    text = capsys.readouterr().out
+    assert "->" in text and "wrote" in text
+    Schedule.from_csv(out).validate()
+
+
+def test_cli_plan_infeasible_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "-p", "4", "-m", "8", "--memory-limit", "0.5"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no schedule fits" in err[0]

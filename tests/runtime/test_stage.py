@@ -1,0 +1,406 @@
+"""PipelineStage: F, B, I and W for one microbatch give exactly plain autograd's gradients."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from pipetrain.errors import PipelineError
+from pipetrain.stage import PipelineStage
+
+torch.set_num_threads(1)
+
+
+# ----------------------------------------------------------------------------- modules
+def mlp(width: int = 8, layers: int = 3, act: type[nn.Module] = nn.GELU) -> nn.Module:
+    mods: list[nn.Module] = []
+    for _ in range(layers):
+        mods += [nn.Linear(width, width), act()]
+    return nn.Sequential(*mods)
+
+
+class Block(nn.Module):
+    """A small pre-norm transformer block (attention + MLP, residuals)."""
+
+    def __init__(self, d: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.ln2 = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class Embed(nn.Module):
+    """A first stage: token ids (no grad) → embeddings + learned positions → block."""
+
+    def __init__(self, vocab: int = 20, d: int = 16, seq: int = 6) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.randn(seq, d) * 0.1)
+        self.block = Block(d)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.block(self.tok(ids) + self.pos[: ids.shape[1]])
+
+
+class TiedTwice(nn.Module):
+    """One Linear applied twice along a path: its weight is reached from two chained entries."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(torch.tanh(self.lin(x)))
+
+
+class SharedParallel(nn.Module):
+    """One weight used by two sibling branches, plus a weight-only term in the output."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(d, d) * 0.3)
+        self.b = nn.Parameter(torch.randn(d))
+        self.scale = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.w + torch.sin(x) @ self.w + torch.exp(self.scale) * self.b
+
+
+class MultiOut(nn.Module):
+    """Several outputs: a tuple with a tensor that needs no grad, a non-tensor and a weight-only output."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.a = nn.Linear(d, d)
+        self.b = nn.Linear(d, d)
+        self.only_w = nn.Parameter(torch.randn(d))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> Any:
+        h = self.a(x)
+        return h, torch.relu(self.b(h)) * mask, "tag", mask.sum(), self.only_w * 3.0
+
+
+class DictOut(nn.Module):
+    """Dict outputs and keyword inputs; a passthrough input comes back as an output."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x: torch.Tensor, *, skip: torch.Tensor, scale: float = 1.0) -> dict[str, Any]:
+        h = self.norm(self.lin(x)) * scale
+        return {"h": h + skip, "skip": skip, "n": 3}
+
+
+# ----------------------------------------------------------------------------- helpers
+def _leaf_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Fresh leaves for every floating tensor input (each run gets its own)."""
+
+    def fresh(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            return t.detach().clone().requires_grad_(True)
+        return t
+
+    return pytree.tree_map(fresh, (args, kwargs))
+
+
+def _grad_leaves(out: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def _make_grads(module: nn.Module, batches: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> list[list[torch.Tensor]]:
+    """Random output gradients, one per output tensor that requires grad."""
+    grads = []
+    for a, k in batches:
+        a2, k2 = _leaf_inputs(a, k)
+        grads.append([torch.randn_like(t) for t in _grad_leaves(module(*a2, **k2))])
+    return grads
+
+
+def _reference(module: nn.Module, batches: list[Any], grads: list[list[torch.Tensor]]) -> tuple[list[Any], list[Any]]:
+    """Plain autograd: per microbatch forward + backward; returns param grads and input grads."""
+    ref = copy.deepcopy(module)
+    input_grads = []
+    for (a, k), g in zip(batches, grads, strict=True):
+        a2, k2 = _leaf_inputs(a, k)
+        torch.autograd.backward(_grad_leaves(ref(*a2, **k2)), g)
+        input_grads.append(
+            [t.grad for t in pytree.tree_leaves((a2, k2)) if isinstance(t, torch.Tensor) and t.requires_grad]
+        )
+    return [p.grad for p in ref.parameters()], input_grads
+
+
+def _run_stage(
+    module: nn.Module,
+    batches: list[Any],
+    grads: list[list[torch.Tensor]],
+    order: list[str],
+    *,
+    stage_index: int = 1,
+    free_outputs: bool = False,
+    track: bool = True,
+) -> tuple[PipelineStage, list[Any], list[Any]]:
+    """Run a stage with ``order`` as actions after all forwards, e.g. ["I0", "I1", "W1", "W0"]."""
+    mod = copy.deepcopy(module)
+    stage = PipelineStage(mod, stage_index, 3, "cpu", track_saved_tensors=track)
+    for mb, (a, k) in enumerate(batches):
+        a2, k2 = _leaf_inputs(a, k)
+        stage.forward_one_chunk(mb, a2, k2)
+        if free_outputs:
+            stage.free_output_storage(mb)
+    input_grads: list[Any] = [None] * len(batches)
+    for action in order:
+        kind, mb = action[0], int(action[1:])
+        if kind == "W":
+            stage.backward_weight_one_chunk(mb)
+        else:
+            input_grads[mb] = stage.backward_one_chunk(mb, grad_outputs=grads[mb], full=kind == "B")
+    return stage, [p.grad for p in mod.parameters()], input_grads
+
+
+def _check(module: nn.Module, batches: list[Any], order: list[str], **kw: Any) -> PipelineStage:
+    grads = _make_grads(module, batches)
+    ref_params, ref_inputs = _reference(module, batches, grads)
+    stage, params, inputs = _run_stage(module, batches, grads, order, **kw)
+    torch.testing.assert_close(params, ref_params)
+    torch.testing.assert_close(inputs, ref_inputs)
+    assert not stage.has_state()
+    return stage
+
+
+def _mlp_batches(n: int = 3, width: int = 8) -> list[Any]:
+    return [((torch.randn(4 + mb, width),), {}) for mb in range(n)]
+
+
+def _block_batches(n: int = 3) -> list[Any]:
+    return [((torch.randn(2, 5, 16),), {}) for _ in range(n)]
+
+
+ORDERS = {
+    "B": ["B0", "B1", "B2"],
+    "IW": ["I0", "W0", "I1", "W1", "I2", "W2"],
+    "I-all-then-W": ["I0", "I1", "I2", "W0", "W1", "W2"],
+    "W-reversed": ["I0", "I1", "W1", "I2", "W2", "W0"],
+}
+
+
+# ----------------------------------------------------------------------------- gradients
+@pytest.mark.parametrize("order", list(ORDERS))
+@pytest.mark.parametrize(
+    ("name", "factory", "batches"),
+    [
+        ("mlp", mlp, _mlp_batches),
+        ("mlp-relu", lambda: mlp(act=nn.ReLU), _mlp_batches),
+        ("block", Block, _block_batches),
+        ("tied-twice", TiedTwice, _mlp_batches),
+        ("shared-parallel", SharedParallel, _mlp_batches),
+    ],
+)
+def test_gradients_match_autograd(name: str, factory: Callable[[], nn.Module], batches: Any, order: str) -> None:
+    torch.manual_seed(0)
+    _check(factory(), batches(), ORDERS[order])
+
+
+@pytest.mark.parametrize("order", ["B", "I-all-then-W"])
+@pytest.mark.parametrize("track", [True, False])
+def test_free_output_storage_keeps_backward_correct(order: str, track: bool) -> None:
+    torch.manual_seed(0)
+    _check(Block(), _block_batches(), ORDERS[order], free_outputs=True, track=track)
+    _check(mlp(act=nn.ReLU), _mlp_batches(), ORDERS[order], free_outputs=True, track=track)
+
+
+def test_free_output_storage_frees_unsaved_outputs_only() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, requires_grad=True)
+    linear_last = PipelineStage(nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8)), 1, 3, "cpu")
+    out = linear_last.forward_one_chunk(0, (x,))
+    linear_last.free_output_storage(0)
+    assert out.untyped_storage().nbytes() == 0  # nothing saved it: freed
+    # ReLU saves its result for backward, so that output must keep its data.
+    relu_last = PipelineStage(nn.Sequential(nn.Linear(8, 8), nn.ReLU()), 1, 3, "cpu")
+    out2 = relu_last.forward_one_chunk(0, (x,))
+    before = out2.detach().clone()
+    relu_last.free_output_storage(0)
+    torch.testing.assert_close(out2.detach(), before)
+
+
+@pytest.mark.parametrize("order", list(ORDERS))
+def test_several_outputs_non_tensors_and_inputs_without_grad(order: str) -> None:
+    torch.manual_seed(0)
+    batches = [((torch.randn(3, 8), torch.rand(3, 8) > 0.3), {}) for _ in range(3)]
+
+    class MaskAsBool(MultiOut):
+        def forward(self, x: torch.Tensor, mask: torch.Tensor) -> Any:  # type: ignore[override]
+            return super().forward(x, mask.float())
+
+    _check(MaskAsBool(), batches, ORDERS[order])
+
+
+@pytest.mark.parametrize("order", list(ORDERS))
+def test_dict_outputs_kwargs_and_passthrough(order: str) -> None:
+    torch.manual_seed(0)
+    batches = [((torch.randn(3, 8),), {"skip": torch.randn(3, 8), "scale": 0.5}) for _ in range(3)]
+    _check(DictOut(), batches, ORDERS[order])
+
+
+@pytest.mark.parametrize("order", list(ORDERS))
+def test_first_stage_without_input_grads(order: str) -> None:
+    torch.manual_seed(0)
+    batches = [((torch.randint(0, 20, (2, 6)),), {}) for _ in range(3)]
+    stage = _check(Embed(), batches, ORDERS[order], stage_index=0)
+    assert stage.is_first and not stage.is_last
+
+
+@given(perm=st.permutations(list(range(4))), split=st.lists(st.booleans(), min_size=4, max_size=4))
+@settings(max_examples=12, deadline=None)
+def test_any_order_of_backwards(perm: list[int], split: list[bool]) -> None:
+    """Any mix of B and I…W over microbatches, W in any order after its I, matches autograd."""
+    torch.manual_seed(1)
+    order = [("I" if split[mb] else "B") + str(mb) for mb in range(4)]
+    order += [f"W{mb}" for mb in perm if split[mb]]
+    _check(Block(), _block_batches(4), order)
+
+
+def test_last_stage_backward_from_loss_accumulates() -> None:
+    torch.manual_seed(0)
+    module = mlp()
+    xs = [torch.randn(4, 8) for _ in range(3)]
+    ys = [torch.randn(4, 8) for _ in range(3)]
+    ref = copy.deepcopy(module)
+    for x, y in zip(xs, ys, strict=True):
+        nn.functional.mse_loss(ref(x), y).backward()
+    for split in (False, True):
+        mod = copy.deepcopy(module)
+        stage = PipelineStage(mod, 2, 3, "cpu")
+        assert stage.is_last
+        for mb, (x, y) in enumerate(zip(xs, ys, strict=True)):
+            loss = nn.functional.mse_loss(stage.forward_one_chunk(mb, (x.clone().requires_grad_(),)), y)
+            stage.backward_one_chunk(mb, loss=loss, full=not split)
+        for mb in range(3):
+            if split:
+                stage.backward_weight_one_chunk(mb)
+        stage.scale_grads(3)
+        torch.testing.assert_close([p.grad for p in mod.parameters()], [p.grad / 3 for p in ref.parameters()])
+        assert not stage.has_state()
+
+
+def test_input_and_output_grads_needed() -> None:
+    stage = PipelineStage(MultiOut(), 1, 3, "cpu")
+    x = torch.randn(3, 8, requires_grad=True)
+    stage.forward_one_chunk(0, (x, torch.ones(3, 8)))
+    assert stage.input_grads_needed(0) == [True, False]
+    # h, relu(...)*mask, mask.sum() (no grad), only_w*3 — "tag" is not a tensor.
+    assert stage.output_grads_needed(0) == [True, True, False, True]
+    grads = stage.backward_one_chunk(0, grad_outputs=[torch.ones(3, 8), None, torch.ones(8)], full=False)
+    assert len(grads) == 1 and grads[0] is not None
+    stage.backward_weight_one_chunk(0)
+
+
+# ----------------------------------------------------------------------------- work split
+def _flops(fn: Callable[[], Any]) -> int:
+    counter = FlopCounterMode(display=False)
+    with counter:
+        fn()
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize(
+    ("factory", "batches", "first"),
+    [(mlp, _mlp_batches, False), (Block, _block_batches, False), (Embed, None, True)],
+)
+def test_split_does_not_redo_work(factory: Callable[[], nn.Module], batches: Any, first: bool) -> None:
+    """Matmul FLOPs: I + W equals B (W redoes none of I); a first stage's I computes nothing."""
+    torch.manual_seed(0)
+    module = factory()
+    ((a, k),) = (((torch.randint(0, 20, (2, 6)),), {}),) if first else batches(1)
+    grads = _make_grads(module, [(a, k)])[0]
+    stage = PipelineStage(module, 0 if first else 1, 3, "cpu")
+    stage.forward_one_chunk(0, *_leaf_inputs(a, k))
+    flops_b = _flops(lambda: stage.backward_one_chunk(0, grad_outputs=grads))
+    stage.forward_one_chunk(1, *_leaf_inputs(a, k))
+    flops_i = _flops(lambda: stage.backward_one_chunk(1, grad_outputs=grads, full=False))
+    flops_w = _flops(lambda: stage.backward_weight_one_chunk(1))
+    assert flops_b > 0
+    assert flops_i + flops_w == flops_b
+    if first:
+        assert flops_i == 0
+    else:
+        assert 0 < flops_i < flops_b and 0 < flops_w < flops_b
+
+
+def test_input_pass_releases_what_only_it_needed() -> None:
+    torch.manual_seed(0)
+    stage = PipelineStage(mlp(), 1, 3, "cpu")
+    stage.forward_one_chunk(0, (torch.randn(4, 8, requires_grad=True),))
+    saved = stage._mbs[0].saved
+    assert saved is not None
+    held_after_f = len(saved.holders)
+    stage.backward_one_chunk(0, grad_outputs=[torch.randn(4, 8)], full=False)
+    held_after_i = len(saved.holders)
+    assert 0 < held_after_i < held_after_f  # GELU inputs go, the matmul inputs W needs stay
+    stage.backward_weight_one_chunk(0)
+    assert saved.holders == [] and not stage.has_state()
+
+
+# ----------------------------------------------------------------------------- state & errors
+def test_eval_under_no_grad_keeps_no_state() -> None:
+    module = Block()
+    stage = PipelineStage(module, 1, 3, "cpu")
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        out = stage.forward_one_chunk(0, (x,))
+        torch.testing.assert_close(out, module(x))
+    assert not stage.has_state()
+
+
+def test_clear_drops_state_and_released_tensors_are_not_reused() -> None:
+    stage = PipelineStage(mlp(), 1, 3, "cpu")
+    for mb in range(2):
+        stage.forward_one_chunk(mb, (torch.randn(4, 8, requires_grad=True),))
+    stage.backward_one_chunk(0, grad_outputs=[torch.randn(4, 8)], full=False)
+    assert stage.has_state()
+    stage.clear()
+    assert not stage.has_state()
+    with pytest.raises(PipelineError, match="microbatch 0"):
+        stage.backward_weight_one_chunk(0)
+
+
+def test_scale_grads_divides_once() -> None:
+    stage = PipelineStage(nn.Linear(4, 4), 1, 3, "cpu")
+    stage.submodule.weight.grad = torch.full((4, 4), 6.0)
+    stage.scale_grads(3)
+    torch.testing.assert_close(stage.submodule.weight.grad, torch.full((4, 4), 2.0))
+    assert stage.submodule.bias.grad is None
+
+
+def test_errors_name_stage_microbatch_and_action() -> None:
+    stage = PipelineStage(mlp(), 1, 3, "cpu")
+    with pytest.raises(PipelineError, match=r"stage 1, microbatch 5, action 1B5"):
+        stage.backward_one_chunk(5, grad_outputs=[torch.ones(4, 8)])
+    stage.forward_one_chunk(0, (torch.randn(4, 8, requires_grad=True),))
+    with pytest.raises(PipelineError, match="ran again"):
+        stage.forward_one_chunk(0, (torch.randn(4, 8, requires_grad=True),))
+    with pytest.raises(PipelineError, match=r"action 1W0: .*\(I\) first"):
+        stage.backward_weight_one_chunk(0)
+    with pytest.raises(PipelineError, match="got 2 output gradients for 1 outputs"):
+        stage.backward_one_chunk(0, grad_outputs=[torch.ones(4, 8), torch.ones(4, 8)])
+    with pytest.raises(PipelineError, match=r"action 1I0: backward failed: .*shape"):
+        stage.backward_one_chunk(0, grad_outputs=[torch.ones(5, 8)], full=False)
+    with pytest.raises(PipelineError, match="outside"):
+        PipelineStage(mlp(), 3, 3, "cpu")

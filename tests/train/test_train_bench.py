@@ -1,0 +1,53 @@
+"""benchmarks/run_all.py (the `make bench` runner) and schedule_quality's reading of torch's orders."""
+
+from __future__ import annotations
+
+import datetime
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import run_all  # noqa: E402
+
+
+def test_runner_finds_every_benchmark_but_itself() -> None:
+    names = [p.name for p in run_all.benchmark_scripts()]
+    assert "run_all.py" not in names
+    assert "schedule_quality.py" in names
+    assert names == sorted(names)
+    assert [p.stem for p in run_all.benchmark_scripts(["schedule_quality"])] == ["schedule_quality"]
+
+
+def test_report_has_date_machine_status_and_outputs() -> None:
+    when = datetime.datetime(2026, 12, 2, 10, 0, tzinfo=datetime.timezone.utc)
+    table = "intro\n\n| a | b |\n|---|---|\n| 1 | 2 |"
+    results = [
+        (BENCH / "schedule_quality.py", 0, 1.5, table),
+        (BENCH / "split_backward.py", "timeout", 9.0, "B 1 ms"),
+    ]
+    text = run_all.report(results, when, "test machine")
+    assert "2026-12-02 10:00 UTC on test machine" in text
+    assert "| [schedule_quality](#schedule_quality) | ok | 1.5 s |" in text
+    assert "| [split_backward](#split_backward) | timeout | 9.0 s |" in text
+    assert table in text  # a markdown table is kept as markdown
+    assert "```\nB 1 ms\n```" in text  # plain output goes into a code block
+    assert "torch" in run_all.machine()
+
+
+@pytest.mark.torch_interop
+def test_torch_orders_load_as_pipetrain_schedules() -> None:
+    import schedule_quality
+    from pipetrain.plan import build_schedule
+
+    theirs = schedule_quality.torch_order("GPipe", 4, 8, 1)
+    theirs.validate()
+    ours = build_schedule("GPipe", 4, 8)
+    for rank in range(4):
+        assert [str(a) for a in theirs.actions[rank] if a] == [str(a) for a in ours.actions[rank] if a]
+    zbv = schedule_quality.torch_order("ZBVZeroBubble", 2, 4, 2)
+    assert zbv.stage_to_rank == {0: 0, 1: 1, 2: 1, 3: 0}
+    assert {a.kind.value for a in zbv.iter_actions() if a} == {"F", "I", "W"}

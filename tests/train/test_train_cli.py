@@ -1,0 +1,80 @@
+"""`pipetrain train`: arguments, errors, the plain reference run (no processes needed here)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipetrain.cli import build_parser, main
+from pipetrain.errors import PipelineError
+from pipetrain.plan import ScheduleError, build_schedule
+from pipetrain.train.loop import TrainConfig, plan_for, reference_losses
+
+TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+
+
+def test_help_lists_every_option(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    for option in ("--ranks", "--stages-per-rank", "--schedule", "--microbatches", "--steps", "--batch-size",
+                   "--device", "--out", "--seed", "--check"):  # fmt: skip
+        assert option in text
+
+
+def test_defaults_are_the_demo() -> None:
+    args = build_parser().parse_args(["train"])
+    assert (args.schedule, args.ranks, args.stages_per_rank, args.device, args.check) == (
+        "ZBVZeroBubble", None, None, "cpu", False,
+    )  # fmt: skip
+    plan = plan_for(TrainConfig(), 2)
+    assert (plan.num_ranks, plan.num_stages, plan.name) == (2, 4, "ZBVZeroBubble")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["train", "--steps", "0"], "--steps must be >= 1, got 0"),
+        (["train", "--batch-size", "4", "--microbatches", "8"], "--batch-size 4 is smaller than --microbatches 8"),
+    ],
+)
+def test_bad_arguments_are_one_line_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == f"pipetrain train: error: {message}"
+
+
+def test_unknown_schedule_is_a_schedule_error() -> None:
+    with pytest.raises(ScheduleError, match="unknown schedule 'NoSuchSchedule'"):
+        plan_for(TrainConfig(schedule="NoSuchSchedule"), 2)
+
+
+def test_ranks_must_match_torchrun(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    for key, value in TORCHRUN_ENV.items():
+        monkeypatch.setenv(key, value)
+    assert main(["train", "--ranks", "3"]) == 1
+    assert "--ranks 3 but torchrun started WORLD_SIZE=2" in capsys.readouterr().err
+
+
+def test_a_csv_schedule_must_fit_the_ranks(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "s.csv"
+    build_schedule("1F1B", 3, 4).to_csv(path)
+    assert plan_for(TrainConfig(schedule=str(path)), 3).num_ranks == 3
+    with pytest.raises(PipelineError, match="schedule for 3 ranks, but 2 ranks run"):
+        plan_for(TrainConfig(schedule=str(path)), 2)
+
+
+def test_plain_reference_is_deterministic_and_learns() -> None:
+    torch.set_num_threads(1)
+    cfg = TrainConfig(model="tiny", steps=8, batch_size=8, microbatches=4, lr=1e-2, max_text_bytes=200_000)
+    first = reference_losses(cfg, torch.device("cpu"))
+    assert first == reference_losses(cfg, torch.device("cpu"))
+    assert len(first) == 8
+    assert first[-1] < first[0] - 0.5
+    assert reference_losses(TrainConfig(**{**cfg.__dict__, "seed": 1}), torch.device("cpu")) != first
+
+
+def test_unknown_model_size_is_a_clear_error() -> None:
+    with pytest.raises(PipelineError, match="unknown model size 'huge'"):
+        _ = TrainConfig(model="huge").model_config

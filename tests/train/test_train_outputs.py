@@ -1,0 +1,78 @@
+"""What `pipetrain train` reports: progress lines, bubble, costs taken from a measured timeline."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from pipetrain.plan import build_schedule
+from pipetrain.plan.timeline import Timeline, TimelineEvent
+from pipetrain.train.outputs import bubble_fraction, costs_from_timeline, write_outputs
+from pipetrain.train.progress import StepReporter
+
+
+def _ev(rank: int, action: str, kind: str, stage: int, start: float, end: float) -> TimelineEvent:
+    return TimelineEvent(rank, action, kind, stage, 0, start, end)
+
+
+def test_plain_progress_lines_when_not_a_terminal() -> None:
+    stream = io.StringIO()
+    reporter = StepReporter(12, stream=stream)
+    reporter.update(0, 5.25, 1234.4)
+    reporter.update(11, 2.5, 99.0)
+    reporter.close()
+    assert stream.getvalue().splitlines() == [
+        "step  1/12  loss 5.2500  1,234 tokens/s",
+        "step 12/12  loss 2.5000  99 tokens/s",
+    ]
+
+
+def test_bubble_counts_only_compute() -> None:
+    tl = Timeline(
+        2,
+        [_ev(0, "0F0", "F", 0, 0, 1), _ev(0, "0B0", "B", 0, 3, 4), _ev(1, "1F0", "F", 1, 1, 2),
+         _ev(1, "1B0", "B", 1, 2, 3), _ev(1, "1SEND_B0", "SEND_B", 1, 3, 4)],
+    )  # fmt: skip
+    assert bubble_fraction(tl) == pytest.approx(1 - 4 / 8)
+    assert bubble_fraction(Timeline(2, [])) == 0.0
+
+
+def test_costs_are_per_stage_means_with_split_backward_filled_in() -> None:
+    tl = Timeline(
+        2,
+        [_ev(0, "0F0", "F", 0, 0, 1), _ev(0, "0F1", "F", 0, 1, 4), _ev(1, "1F0", "F", 1, 0, 2),
+         _ev(1, "1I0", "I", 1, 2, 3), _ev(1, "1W0", "W", 1, 3, 3.5)],
+    )  # fmt: skip
+    costs = costs_from_timeline(tl, 2)
+    assert costs["f"] == [2.0, 2.0]
+    # Stage 0 ran no I/W: it gets the mean over the stages that did.
+    assert costs["i"] == [1.0, 1.0] and costs["w"] == [0.5, 0.5]
+    assert costs["b"] == [1.5, 1.5]
+
+
+def test_summary_files_from_a_measured_step(tmp_path: Path) -> None:
+    plan = build_schedule("GPipe", 2, 2)
+    events = []
+    t = {0: 0.0, 1: 0.5}
+    for rank in range(2):
+        for a in plan.actions[rank]:
+            if a is not None:
+                events.append(TimelineEvent(rank, str(a), a.kind.value, a.stage, a.microbatch, t[rank], t[rank] + 0.5))
+                t[rank] += 0.5
+    measured = Timeline(2, events, source="measured", unit="s")
+    result = SimpleNamespace(losses=[5.0, 4.0], step_times=[0.5, 0.25])
+    cfg = SimpleNamespace(schedule="GPipe", steps=2, batch_size=4, model="tiny", device="cpu")
+    files = write_outputs(tmp_path, plan, measured, result, cfg, tokens_per_step=128)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["final_loss"] == 4.0 and summary["tokens_per_s_last"] == 512
+    assert summary["measured_step_s"] == pytest.approx(measured.makespan)
+    assert str(tmp_path / "summary.md") in files
+    assert "| measured |" in (tmp_path / "summary.md").read_text()
+    assert Timeline.from_json(tmp_path / "measured_timeline.json").events == measured.events
+    simulated = Timeline.from_json(tmp_path / "simulated_timeline.json")
+    # Simulated with the measured per-stage costs (0.5 s each): GPipe's 2 × 2 makespan is 6 actions long.
+    assert simulated.makespan == pytest.approx(summary["simulated_step_s"]) == pytest.approx(3.0)
