@@ -31,6 +31,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--first", action="store_true", help="stage inputs need no grad (first stage)")
+    parser.add_argument("--torch", action="store_true", help="also time torch.distributed.pipelining's split")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -50,15 +51,50 @@ def main() -> None:
         stage.backward_weight_one_chunk(0)
         return t1 - t0, time.perf_counter() - t1
 
+    def run_torch() -> tuple[float, float]:
+        from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+        inp = x.clone().requires_grad_(not args.first)
+        out = stage.submodule(inp)
+        params = list(stage.submodule.parameters())
+        t0 = time.perf_counter()
+        _, groups = stage_backward_input([out], [grad], [inp], iter(params))
+        t1 = time.perf_counter()
+        stage_backward_weight(iter(params), groups)
+        return t1 - t0, time.perf_counter() - t1
+
+    def saved_mib() -> tuple[float, float]:
+        """Saved-tensor bytes one microbatch holds after F and after I (params excluded)."""
+        param_ptrs = {p.untyped_storage().data_ptr() for p in stage.submodule.parameters()}
+
+        def held() -> float:
+            saved = stage._mbs[0].saved
+            assert saved is not None
+            storages = {
+                h.tensor.untyped_storage().data_ptr(): h.tensor.untyped_storage().nbytes()
+                for h in saved.holders
+                if h.tensor is not None and h.tensor.untyped_storage().data_ptr() not in param_ptrs
+            }
+            return sum(storages.values()) / 2**20
+
+        stage.forward_one_chunk(0, (x.clone().requires_grad_(not args.first),))
+        after_f = held()
+        stage.backward_one_chunk(0, grad_outputs=[grad], full=False)
+        after_i = held()
+        stage.backward_weight_one_chunk(0)
+        return after_f, after_i
+
     for _ in range(3):
         run(False)
         run(True)
-    b_times, i_times, w_times = [], [], []
+    b_times, i_times, w_times, t_times = [], [], [], []
     for _ in range(args.reps):
         b_times.append(run(False)[0])
         i, w = run(True)
         i_times.append(i)
         w_times.append(w)
+        if args.torch:
+            t_times.append(sum(run_torch()))
     b = statistics.median(b_times)
     i = statistics.median(i_times)
     w = statistics.median(w_times)
@@ -72,6 +108,11 @@ def main() -> None:
     print(f"W     {w * 1e3:8.3f} ms")
     print(f"I+W   {iw * 1e3:8.3f} ms")
     print(f"ratio (I+W)/B = {iw / b:.3f}  (target <= 1.15)")
+    after_f, after_i = saved_mib()
+    print(f"activations held by one microbatch: after F {after_f:.1f} MiB, after I (until W) {after_i:.1f} MiB")
+    if t_times:
+        tiw = statistics.median(t_times)
+        print(f"torch.distributed.pipelining I+W {tiw * 1e3:8.3f} ms (ratio to our B {tiw / b:.3f})")
 
 
 if __name__ == "__main__":

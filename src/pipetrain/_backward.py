@@ -51,10 +51,11 @@ _tls = threading.local()
 class _Holder:
     """One saved tensor, owned by the microbatch's store so it can be dropped on our terms."""
 
-    __slots__ = ("release_after_input", "tensor")
+    __slots__ = ("release_after_input", "tensor", "version")
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor: torch.Tensor | None = tensor
+        self.version = tensor._version
         self.release_after_input = False
 
 
@@ -84,6 +85,13 @@ class SavedTensors:
                 f"{self.label}: a tensor saved for backward was already released "
                 "(backward ran twice for this microbatch, or after clear())"
             )
+        if tensor._version != holder.version:
+            # Saved-tensor hooks bypass autograd's own in-place check, so it is done here.
+            raise PipelineError(
+                f"{self.label}: a tensor saved for backward (shape {tuple(tensor.shape)}, {tensor.dtype}) was "
+                f"modified by an in-place operation after it was saved (version {holder.version} -> "
+                f"{tensor._version}); gradients would be wrong"
+            )
         if self.tracking_input_pass and not getattr(_tls, "in_entry", False):
             holder.release_after_input = True
         return tensor
@@ -99,6 +107,15 @@ class SavedTensors:
         for holder in self.holders:
             holder.tensor = None
         self.holders = []
+
+    def nbytes(self) -> int:
+        """Bytes of the distinct storages still held (for memory reports)."""
+        storages = {
+            h.tensor.untyped_storage().data_ptr(): h.tensor.untyped_storage().nbytes()
+            for h in self.holders
+            if h.tensor is not None
+        }
+        return sum(storages.values())
 
     def storage_ptrs(self) -> set[int]:
         """Storages of saved tensors still held (an output in here must keep its storage)."""
@@ -121,14 +138,25 @@ class WeightGradPlan:
     """What I keeps for W: per group, the entry edges, their kept gradients and the weights."""
 
     groups: list[_Group]
+    full_in_input_pass: str | None = None  # why I already did all of it (then W has nothing to do)
 
     @property
     def redoes_input_work(self) -> bool:
         return any(g.needs_pins for g in self.groups)
 
 
+# Nodes whose backward cannot run twice (donated buffers) or refuses autograd.grad (reentrant
+# checkpoint). When one lies on the way to an input, I falls back to the full backward.
+_UNSPLITTABLE = frozenset({"CompiledFunctionBackward", "CheckpointFunctionBackward"})
+
+_ACCUMULATE_GRAD: type | None = getattr(getattr(torch._C, "_functions", None), "AccumulateGrad", None)
+
+
 def _is_leaf_node(node: Node) -> bool:
-    return hasattr(node, "variable")
+    """A weight (or other leaf) gradient sink: autograd's AccumulateGrad node."""
+    if _ACCUMULATE_GRAD is not None:
+        return isinstance(node, _ACCUMULATE_GRAD)
+    return hasattr(node, "variable")  # pragma: no cover - torch without the class exported
 
 
 def _input_nodes(inputs: Sequence[torch.Tensor]) -> list[Node]:
@@ -150,9 +178,10 @@ def _classify(
             continue
         children = children_of.get(node)
         if children is None:
-            if node in input_nodes:
+            if node in input_nodes or _is_leaf_node(node):
                 children_of[node] = []
-                reach_in[node], reach_w[node] = True, False
+                reach_in[node] = node in input_nodes
+                reach_w[node] = not reach_in[node]
                 stack.pop()
                 continue
             children = children_of[node] = [c for c, _ in node.next_functions if c is not None]
@@ -162,7 +191,7 @@ def _classify(
                 continue
         stack.pop()
         reach_in[node] = any(reach_in[c] for c in children)
-        reach_w[node] = _is_leaf_node(node) or any(reach_w[c] for c in children)
+        reach_w[node] = any(reach_w[c] for c in children)
     return children_of, reach_in, reach_w
 
 
@@ -255,6 +284,7 @@ def backward_full(
 class _Analysis:
     """The split of one microbatch's graph: entries, their groups and whether a group needs pins."""
 
+    unsplittable: str | None  # type name of an X node that forbids the split, if any
     x_entries: list[Node]  # X nodes with children in the weight region
     root_entries: list[Node]  # output roots outside X that reach a weight
     group_of: list[int]  # per entry (x_entries, then root_entries): its group id
@@ -264,6 +294,9 @@ class _Analysis:
 
 def _analyse(roots: Sequence[Node], input_nodes: dict[Node, int]) -> tuple[_Analysis, dict[Node, bool]]:
     children_of, reach_in, reach_w = _classify(roots, input_nodes)
+    unsplittable = next(
+        (type(n).__name__ for n, inside in reach_in.items() if inside and type(n).__name__ in _UNSPLITTABLE), None
+    )
     x_entries: list[Node] = []
     starts: list[list[Node]] = []
     for node, inside in reach_in.items():
@@ -303,7 +336,7 @@ def _analyse(roots: Sequence[Node], input_nodes: dict[Node, int]) -> tuple[_Anal
             others = set(nodes)
             if any(_entry_reaches_another(n, others - {n}, children_of, reach_in) for n in nodes):
                 pinned.add(gid)
-    return _Analysis(x_entries, root_entries, group_of, weights, pinned), reach_in
+    return _Analysis(unsplittable, x_entries, root_entries, group_of, weights, pinned), reach_in
 
 
 def _input_pass(
@@ -356,6 +389,8 @@ def backward_input(
         return result, WeightGradPlan([])
     input_node_list = _input_nodes(inputs)
     analysis, reach_in = _analyse([e.node for e in root_edges], dict.fromkeys(input_node_list, 0))
+    if analysis.unsplittable is not None:
+        return backward_full(edges, grads, inputs), WeightGradPlan([], full_in_input_pass=analysis.unsplittable)
     wanted = [i for i, n in enumerate(input_node_list) if reach_in.get(n)]
     kept: dict[Node, tuple[torch.Tensor | None, ...]] = {}
     if wanted:

@@ -11,6 +11,7 @@ into 4 gives 3, 3, 2, 2); 0-dim tensors and non-tensor values are given whole to
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,16 @@ class TensorChunkSpec:
     def __str__(self) -> str:
         return f"TensorChunkSpec({self.split_dim})"
 
+    @staticmethod
+    def from_tuple(split_dims: tuple[int, ...]) -> tuple[TensorChunkSpec, ...]:
+        """One spec per positional argument: ``from_tuple((0, 1))``."""
+        return tuple(TensorChunkSpec(d) for d in split_dims)
+
+    @staticmethod
+    def from_dict(split_dims: dict[str, int]) -> dict[str, TensorChunkSpec]:
+        """One spec per keyword argument: ``from_dict({"x": 0, "mask": 1})``."""
+        return {k: TensorChunkSpec(d) for k, d in split_dims.items()}
+
 
 class _Replicate:
     """Marker spec: the value is given whole to every microbatch (and not concatenated on merge)."""
@@ -59,16 +70,33 @@ class _Replicate:
 REPLICATE = _Replicate()
 
 _DEFAULT = TensorChunkSpec(0)
-_Spec = TensorChunkSpec | _Replicate
+_Spec = Any  # TensorChunkSpec | _Replicate | a reducer (merge only)
+
+
+def _normalize(spec: Any) -> Any:
+    """Our spec for ``spec``; torch.distributed.pipelining's specs are accepted too (drop-in use).
+
+    Returns None when ``spec`` is not a leaf spec (then it must be a tree of specs).
+    """
+    if spec is None:
+        return _DEFAULT
+    if isinstance(spec, (TensorChunkSpec, _Replicate)):
+        return spec
+    if getattr(spec, "__name__", None) == "_Replicate" or type(spec).__name__ == "_Replicate":
+        return REPLICATE
+    split_dim = getattr(spec, "split_dim", None)
+    if isinstance(split_dim, int):
+        return TensorChunkSpec(split_dim)
+    if callable(getattr(spec, "reduce_fn", None)) and hasattr(spec, "init_value"):
+        return spec  # torch's _CustomReducer / sum_reducer: merge by reducing
+    return None
 
 
 def _leaf_specs(value: Any, spec: Any, name: str) -> list[tuple[str, Any, _Spec]]:
     """Flatten ``value`` and pair every leaf with its spec (``spec`` is a prefix tree of ``value``)."""
     leaves_with_path, treespec = pytree.tree_flatten_with_path(value)
-    if spec is None:
-        specs: list[Any] = [None] * len(leaves_with_path)
-    elif isinstance(spec, (TensorChunkSpec, _Replicate)):
-        specs = [spec] * len(leaves_with_path)
+    if spec is None or _normalize(spec) is not None:
+        specs: list[Any] = [spec] * len(leaves_with_path)
     else:
         broadcast = pytree._broadcast_to_and_flatten(spec, treespec)
         if broadcast is None:
@@ -78,19 +106,19 @@ def _leaf_specs(value: Any, spec: Any, name: str) -> list[tuple[str, Any, _Spec]
             )
         specs = broadcast
     out: list[tuple[str, Any, _Spec]] = []
-    for (path, leaf), leaf_spec in zip(leaves_with_path, specs, strict=True):
+    for (path, leaf), raw in zip(leaves_with_path, specs, strict=True):
+        leaf_spec = _normalize(raw)
         if leaf_spec is None:
-            leaf_spec = _DEFAULT
-        if not isinstance(leaf_spec, (TensorChunkSpec, _Replicate)):
             raise PipelineError(
-                f"chunk spec for {name}{pytree.keystr(path)} must be TensorChunkSpec, REPLICATE or None, "
-                f"got {leaf_spec!r}"
+                f"chunk spec for {name}{pytree.keystr(path)} must be TensorChunkSpec, REPLICATE or None, got {raw!r}"
             )
         out.append((name + pytree.keystr(path), leaf, leaf_spec))
     return out
 
 
 def _split_leaf(name: str, leaf: Any, spec: _Spec, chunks: int) -> list[Any]:
+    if not isinstance(spec, (TensorChunkSpec, _Replicate)):
+        raise PipelineError(f"chunk spec for {name} must be TensorChunkSpec, REPLICATE or None, got {spec!r}")
     if not isinstance(leaf, torch.Tensor) or isinstance(spec, _Replicate):
         return [leaf] * chunks
     if leaf.dim() == 0 and spec is _DEFAULT:
@@ -159,6 +187,8 @@ def split_args_kwargs_into_chunks(
 
 
 def _merge_leaf(name: str, values: list[Any], spec: _Spec) -> Any:
+    if not isinstance(spec, (TensorChunkSpec, _Replicate)):  # a reducer
+        return functools.reduce(spec.reduce_fn, values, spec.init_value)
     first = values[0]
     if not isinstance(first, torch.Tensor):
         if any(isinstance(v, torch.Tensor) for v in values):
@@ -182,7 +212,9 @@ def merge_chunks(chunks: list[Any], chunk_spec: Any = None) -> Any:
 
     Tensors are concatenated along their spec's dim (default 0; 0-dim tensors are stacked),
     ``REPLICATE`` leaves take the first microbatch's value, and non-tensor leaves keep the value
-    when all microbatches agree, else become the list of per-microbatch values.
+    when all microbatches agree, else become the list of per-microbatch values. A reducer spec
+    (an object with ``reduce_fn`` and ``init_value``, like torch's ``sum_reducer``) folds the
+    per-microbatch values instead. torch.distributed.pipelining's spec objects are accepted.
     """
     if not chunks:
         raise PipelineError("merge_chunks needs at least one microbatch value")

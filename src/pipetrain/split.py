@@ -137,7 +137,7 @@ def _fresh_input(x: Any) -> Any:
 
 
 def split_layers(
-    layers: Sequence[nn.Module],
+    layers: Sequence[nn.Module] | nn.Sequential,
     num_stages: int,
     *,
     by: str | Sequence[float] = "params",

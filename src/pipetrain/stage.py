@@ -56,6 +56,10 @@ class PipelineStage:
     they are released right after the last backward of their microbatch, what only the input-grad
     pass needed is released right after I, and :meth:`free_output_storage` can tell which outputs
     autograd still needs. Turn it off for modules that cannot run under saved-tensor hooks.
+
+    ``split_backward=False`` makes I do the full backward (W then does nothing): for modules whose
+    weight gradients cannot be deferred. It happens automatically for graphs that cannot be split
+    (``torch.compile``'d regions, reentrant checkpointing) on the way to an input.
     """
 
     def __init__(
@@ -67,6 +71,7 @@ class PipelineStage:
         group: dist.ProcessGroup | None = None,
         *,
         track_saved_tensors: bool = True,
+        split_backward: bool = True,
     ) -> None:
         if num_stages < 1 or not 0 <= stage_index < num_stages:
             raise PipelineError(f"stage_index {stage_index} is outside 0..{num_stages - 1} (num_stages={num_stages})")
@@ -76,6 +81,7 @@ class PipelineStage:
         self.device = _as_device(device)
         self.group = group
         self.track_saved_tensors = track_saved_tensors
+        self.split_backward = split_backward
         self._mbs: dict[int, _Microbatch] = {}
 
     @property
@@ -151,18 +157,21 @@ class PipelineStage:
         try:
             if full:
                 result = backward_full(edges, grads, state.inputs)
+            elif not self.split_backward:
+                result = backward_full(edges, grads, state.inputs)
+                state.plan = WeightGradPlan([], full_in_input_pass="split_backward=False")
             elif not state.inputs:
                 result, state.plan = [], defer_all(edges, grads)
             else:
                 result, state.plan = backward_input(edges, grads, state.inputs, state.saved)
-        except PipelineError:
-            raise
         except RuntimeError as exc:
             raise PipelineError(f"{self._where(mb, kind)}: backward failed: {exc}") from exc
         if full:
             self._drop(mb)
         else:
             state.output_edges, state.outputs = [], []
+            if state.plan is not None and state.plan.full_in_input_pass is not None and state.saved is not None:
+                state.saved.release_all()  # I already did everything: nothing is left for W
         return result
 
     def backward_weight_one_chunk(self, mb: int) -> None:
@@ -174,8 +183,6 @@ class PipelineStage:
             )
         try:
             backward_weight(state.plan)
-        except PipelineError:
-            raise
         except RuntimeError as exc:
             raise PipelineError(f"{self._where(mb, 'W')}: backward failed: {exc}") from exc
         self._drop(mb)

@@ -71,7 +71,7 @@ def test_empty_cell_is_idle(text: str) -> None:
     ],
 )
 def test_parse_rejects_with_reason(text: str, expected: str) -> None:
-    with pytest.raises(ScheduleError, match=None) as info:
+    with pytest.raises(ScheduleError) as info:
         Action.parse(text)
     assert expected in str(info.value)
 
@@ -125,5 +125,5 @@ def test_parse_fuzz_raises_only_schedule_error(text: str) -> None:
     except ScheduleError:
         return
     if action is not None:
-        # Whatever parses is canonical: it prints back to the same text (modulo spaces).
-        assert str(action) == text.strip()
+        # Whatever parses prints in canonical form, which parses back to the same action.
+        assert Action.parse(str(action)) == action

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -222,7 +223,9 @@ def test_gpipe_and_1f1b_bubble_formula(p: int, m: int, unit: float) -> None:
     b=st.lists(st.sampled_from([0.5, 1.0, 2.0, 4.0]), min_size=6, max_size=6),
     comm=st.sampled_from([0.0, 0.25, 1.0]),
 )
-def test_gpipe_flow_shop_formula_with_per_stage_costs(p: int, m: int, f: list[float], b: list[float], comm: float) -> None:
+def test_gpipe_flow_shop_formula_with_per_stage_costs(
+    p: int, m: int, f: list[float], b: list[float], comm: float
+) -> None:
     # identical jobs through a flow shop: sum of stage times + (m-1) x the bottleneck, each way
     f, b = f[:p], b[:p]
     r = simulate(build_schedule("GPipe", p, m), Costs(f=f, b=b, comm=comm))
@@ -318,10 +321,10 @@ def test_invariants_for_every_generator(p: int, m: int, f: float, i: float, w: f
         assert tl.end == pytest.approx(r.makespan)
         for rank in range(p):
             evs = tl.events_of(rank)
-            assert all(a.end <= b.start + 1e-9 for a, b in zip(evs, evs[1:], strict=False)), (s.name, rank)
+            assert all(a.end <= b.start + 1e-9 for a, b in itertools.pairwise(evs)), (s.name, rank)
         path = r.critical_path
         assert path[0].start == 0.0 and path[-1].end == pytest.approx(r.makespan)
-        assert all(a.end <= b.start + 1e-9 for a, b in zip(path, path[1:], strict=False))
+        assert all(a.end <= b.start + 1e-9 for a, b in itertools.pairwise(path))
         again = simulate(s, costs)
         assert again.makespan == r.makespan and again.timeline.events == tl.events
 

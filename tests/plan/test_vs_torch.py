@@ -143,3 +143,24 @@ def test_torch_conversion_is_faithful() -> None:
     zbv = torch_schedule("ZBVZeroBubble", 4, 8, 2)
     assert zbv is not None and zbv.stage_to_rank == {0: 0, 1: 1, 2: 2, 3: 3, 4: 3, 5: 2, 6: 1, 7: 0}
     assert sum(1 for a in zbv.iter_actions() if a is not None and a.kind is ActionKind.W) == 8 * 8
+
+
+@pytest.mark.parametrize("name", ["Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"])
+def test_torch_lowered_orders_simulate_like_their_compute_orders(name: str) -> None:
+    # torch's own lowering (SEND/RECV, UNSHARD/RESHARD, REDUCE_GRAD) reads and simulates here
+    cls, style = TORCH[name]
+    p, m, n = 4, 8, 8
+    stages = (
+        [FakeStage(0, n, p), FakeStage(4, n, p)] if style == "loop" else [FakeStage(0, n, p), FakeStage(n - 1, n, p)]
+    )
+    sched = cls(stages, m, loss_fn=_loss)
+    rows: dict[int, list[Action]] = {}
+    for rank, order in sched.pipeline_order_with_comms.items():
+        rows[rank] = [a for a in (Action.parse(str(x)) for x in order if x is not None) if a is not None]
+    lowered = Schedule(rows)
+    compute = Schedule({r: [a for a in acts if a.kind.is_compute] for r, acts in rows.items()})
+    assert lowered.is_lowered
+    for costs in COSTS:
+        low = simulate(lowered, costs)
+        assert low.lowered and low.num_sends > 0
+        assert low.makespan == simulate(compute, costs).makespan

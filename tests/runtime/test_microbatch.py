@@ -127,6 +127,22 @@ def test_split_sizes_and_round_trip(rows: int, chunks: int, dim: int, other: int
     _same(merge_chunks([a[0] for a in args], TensorChunkSpec(dim)), x)
 
 
+def test_spec_helpers_and_torch_spec_objects() -> None:
+    """Specs written for torch.distributed.pipelining work unchanged."""
+    from torch.distributed.pipelining import microbatch as tmb
+
+    assert TensorChunkSpec.from_tuple((0, 1)) == (TensorChunkSpec(0), TensorChunkSpec(1))
+    assert TensorChunkSpec.from_dict({"m": 1}) == {"m": TensorChunkSpec(1)}
+    x, table = torch.randn(3, 6), torch.randn(2, 2)
+    args, _ = split_args_kwargs_into_chunks(
+        (x, table), None, 3, args_chunk_spec=(tmb.TensorChunkSpec(1), tmb._Replicate)
+    )
+    assert [a[0].shape for a in args] == [(3, 2)] * 3 and all(a[1] is table for a in args)
+    _same(merge_chunks([a[0] for a in args], tmb.TensorChunkSpec(1)), x)
+    total = merge_chunks([torch.tensor(1.0), torch.tensor(2.5)], tmb.sum_reducer)
+    _same(total, torch.tensor(3.5))
+
+
 # ----------------------------------------------------------------------------- errors
 def test_batch_smaller_than_microbatches_names_argument_and_sizes() -> None:
     with pytest.raises(PipelineError, match=r"args\[1\]\['ids'\] into 8 microbatches: its dim 0 has size 5"):

@@ -12,6 +12,7 @@ import torch.utils._pytree as pytree
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
 from pipetrain.errors import PipelineError
@@ -57,6 +58,20 @@ class Embed(nn.Module):
         return self.block(self.tok(ids) + self.pos[: ids.shape[1]])
 
 
+class Checkpointed(nn.Module):
+    """Two blocks under activation checkpointing (reentrant: I falls back to the full backward)."""
+
+    def __init__(self, reentrant: bool = False) -> None:
+        super().__init__()
+        self.b1 = Block()
+        self.b2 = Block()
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = checkpoint(self.b1, x, use_reentrant=self.reentrant)
+        return checkpoint(self.b2, x, use_reentrant=self.reentrant)
+
+
 class TiedTwice(nn.Module):
     """One Linear applied twice along a path: its weight is reached from two chained entries."""
 
@@ -93,6 +108,19 @@ class MultiOut(nn.Module):
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> Any:
         h = self.a(x)
         return h, torch.relu(self.b(h)) * mask, "tag", mask.sum(), self.only_w * 3.0
+
+
+class OddOutputs(nn.Module):
+    """The same tensor twice, a parameter returned as is, and an input the outputs do not use."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.w = nn.Parameter(torch.randn(d))
+
+    def forward(self, x: torch.Tensor, unused: torch.Tensor) -> Any:
+        h = torch.tanh(self.lin(x))
+        return h, h, self.w
 
 
 class DictOut(nn.Module):
@@ -155,10 +183,11 @@ def _run_stage(
     stage_index: int = 1,
     free_outputs: bool = False,
     track: bool = True,
+    split: bool = True,
 ) -> tuple[PipelineStage, list[Any], list[Any]]:
     """Run a stage with ``order`` as actions after all forwards, e.g. ["I0", "I1", "W1", "W0"]."""
     mod = copy.deepcopy(module)
-    stage = PipelineStage(mod, stage_index, 3, "cpu", track_saved_tensors=track)
+    stage = PipelineStage(mod, stage_index, 3, "cpu", track_saved_tensors=track, split_backward=split)
     for mb, (a, k) in enumerate(batches):
         a2, k2 = _leaf_inputs(a, k)
         stage.forward_one_chunk(mb, a2, k2)
@@ -208,6 +237,8 @@ ORDERS = {
         ("mlp", mlp, _mlp_batches),
         ("mlp-relu", lambda: mlp(act=nn.ReLU), _mlp_batches),
         ("block", Block, _block_batches),
+        ("checkpointed", Checkpointed, _block_batches),
+        ("checkpointed-reentrant", lambda: Checkpointed(reentrant=True), _block_batches),
         ("tied-twice", TiedTwice, _mlp_batches),
         ("shared-parallel", SharedParallel, _mlp_batches),
     ],
@@ -215,6 +246,16 @@ ORDERS = {
 def test_gradients_match_autograd(name: str, factory: Callable[[], nn.Module], batches: Any, order: str) -> None:
     torch.manual_seed(0)
     _check(factory(), batches(), ORDERS[order])
+
+
+@pytest.mark.parametrize("order", ["B", "I-all-then-W"])
+def test_compiled_module_and_no_split(order: str) -> None:
+    """torch.compile'd regions cannot be split: I does the full backward, W nothing; still exact."""
+    torch.manual_seed(0)
+    compiled = torch.compile(mlp(), backend="aot_eager")
+    _check(compiled, _mlp_batches(), ORDERS[order])
+    stage = _check(mlp(), _mlp_batches(), ORDERS[order], split=False)
+    assert not stage.split_backward
 
 
 @pytest.mark.parametrize("order", ["B", "I-all-then-W"])
@@ -250,6 +291,25 @@ def test_several_outputs_non_tensors_and_inputs_without_grad(order: str) -> None
             return super().forward(x, mask.float())
 
     _check(MaskAsBool(), batches, ORDERS[order])
+
+
+@pytest.mark.parametrize("order", list(ORDERS))
+def test_repeated_outputs_parameter_output_and_unused_input(order: str) -> None:
+    torch.manual_seed(0)
+    batches = [((torch.randn(3, 8), torch.randn(3, 8)), {}) for _ in range(3)]
+    stage = _check(OddOutputs(), batches, ORDERS[order])
+    assert not stage.has_state()
+
+
+@pytest.mark.parametrize("full", [True, False])
+def test_no_output_gradient_is_a_no_op(full: bool) -> None:
+    stage = PipelineStage(mlp(), 1, 3, "cpu")
+    stage.forward_one_chunk(0, (torch.randn(4, 8, requires_grad=True),))
+    assert stage.backward_one_chunk(0, grad_outputs=[None], full=full) == [None]
+    if not full:
+        stage.backward_weight_one_chunk(0)
+    assert all(p.grad is None for p in stage.submodule.parameters())
+    assert not stage.has_state()
 
 
 @pytest.mark.parametrize("order", list(ORDERS))
@@ -310,6 +370,23 @@ def test_input_and_output_grads_needed() -> None:
     grads = stage.backward_one_chunk(0, grad_outputs=[torch.ones(3, 8), None, torch.ones(8)], full=False)
     assert len(grads) == 1 and grads[0] is not None
     stage.backward_weight_one_chunk(0)
+
+
+@pytest.mark.parametrize("first", [False, True])
+@pytest.mark.parametrize("full", [True, False])
+def test_weight_accumulate_hooks_fire_once_per_backward(first: bool, full: bool) -> None:
+    """W accumulates through autograd's AccumulateGrad, so DDP/FSDP-style grad hooks still run."""
+    module = mlp(width=4, layers=2)
+    fired: list[str] = []
+    for name, p in module.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda _p, name=name: fired.append(name))
+    stage = PipelineStage(module, 0 if first else 1, 3, "cpu")
+    stage.forward_one_chunk(0, (torch.randn(2, 4, requires_grad=not first),))
+    stage.backward_one_chunk(0, grad_outputs=[torch.ones(2, 4)], full=full)
+    if not full:
+        assert fired == []  # I touches no weight
+        stage.backward_weight_one_chunk(0)
+    assert sorted(fired) == sorted(n for n, _ in module.named_parameters())
 
 
 # ----------------------------------------------------------------------------- work split
@@ -379,6 +456,25 @@ def test_clear_drops_state_and_released_tensors_are_not_reused() -> None:
     assert not stage.has_state()
     with pytest.raises(PipelineError, match="microbatch 0"):
         stage.backward_weight_one_chunk(0)
+
+
+@pytest.mark.parametrize("track", [True, False])
+def test_in_place_change_of_a_saved_tensor_is_an_error(track: bool) -> None:
+    class InPlaceBug(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x)
+            y = h * h  # saves h
+            h.add_(1)  # ...which then changes
+            return y
+
+    stage = PipelineStage(InPlaceBug(), 1, 3, "cpu", track_saved_tensors=track)
+    stage.forward_one_chunk(0, (torch.randn(2, 4, requires_grad=True),))
+    with pytest.raises(PipelineError, match=r"action 1B0: backward failed: .*modified by an in-?place operation"):
+        stage.backward_one_chunk(0, grad_outputs=[torch.ones(2, 4)])
 
 
 def test_scale_grads_divides_once() -> None:

@@ -76,3 +76,7 @@ def test_summary_files_from_a_measured_step(tmp_path: Path) -> None:
     simulated = Timeline.from_json(tmp_path / "simulated_timeline.json")
     # Simulated with the measured per-stage costs (0.5 s each): GPipe's 2 × 2 makespan is 6 actions long.
     assert simulated.makespan == pytest.approx(summary["simulated_step_s"]) == pytest.approx(3.0)
+    for name in ("measured_timeline.png", "simulated_timeline.png", "timelines.png", "measured_trace.json"):
+        assert str(tmp_path / name) in files and (tmp_path / name).stat().st_size > 0
+    trace = json.loads((tmp_path / "simulated_trace.json").read_text())
+    assert {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"} == {str(a) for a in plan.iter_actions() if a}

@@ -17,6 +17,7 @@ from pipetrain.plan.errors import ScheduleError
 # Modules holding sub-commands, in the order their commands appear in --help.
 _COMMAND_MODULES = (
     "pipetrain.cli.plan_cmds",
+    "pipetrain.cli.sim_cmds",
     "pipetrain.cli.auto_cmds",
     "pipetrain.cli.train_cmd",
 )

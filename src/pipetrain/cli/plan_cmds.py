@@ -16,13 +16,13 @@ def register(subparsers: Any) -> None:
     show = subparsers.add_parser("show", help="print a schedule as a steps × ranks grid")
     show.add_argument("schedule", help=f"schedule name ({names}) or a .csv/.json file")
     add_size_arguments(show, required=False)
-    show.add_argument("--lowered", action="store_true", help="show with SEND/RECV actions added")
+    _add_lowering_arguments(show)
     show.set_defaults(func=_show)
 
     export = subparsers.add_parser("export", help="write a schedule as torch-format CSV or JSON")
     export.add_argument("schedule", help=f"schedule name ({names}) or a .csv/.json file")
     add_size_arguments(export, required=False)
-    export.add_argument("--lowered", action="store_true", help="export with SEND/RECV actions added")
+    _add_lowering_arguments(export)
     target = export.add_mutually_exclusive_group(required=True)
     target.add_argument("--csv", metavar="FILE", help="write torch's CSV format (one row per rank)")
     target.add_argument("--json", metavar="FILE", help="write pipetrain's JSON format")
@@ -33,10 +33,27 @@ def register(subparsers: Any) -> None:
     validate.set_defaults(func=_validate)
 
 
+def _add_lowering_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--lowered", action="store_true", help="add SEND/RECV actions (the lowering passes)")
+    parser.add_argument(
+        "--grad-reduce", action="store_true", help="lowered, with REDUCE_GRAD after each stage's last backward"
+    )
+    parser.add_argument("--fsdp", action="store_true", help="lowered, with FSDP UNSHARD/RESHARD actions")
+    parser.add_argument(
+        "--prefetch", type=int, default=1, help="FSDP: unshard this many compute actions ahead (default 1)"
+    )
+    parser.add_argument(
+        "--merge-iw", action="store_true", help="lowered, with each I directly followed by its W merged into B"
+    )
+
+
 def _load(args: argparse.Namespace) -> Schedule:
     schedule = schedule_from_args(args.schedule, args)
     schedule.validate()
-    return schedule.lower() if args.lowered else schedule
+    args.lowered = args.lowered or args.grad_reduce or args.fsdp or args.merge_iw
+    if not args.lowered or schedule.is_lowered:
+        return schedule
+    return schedule.lower(grad_reduce=args.grad_reduce, fsdp=args.fsdp, prefetch=args.prefetch, merge_iw=args.merge_iw)
 
 
 def _show(args: argparse.Namespace) -> int:

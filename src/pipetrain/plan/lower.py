@@ -9,10 +9,10 @@ inserted inside a SEND/RECV group).
 from __future__ import annotations
 
 from pipetrain.plan.errors import ScheduleError
-from pipetrain.plan.passes._graph import gc_paused
-from pipetrain.plan.passes.communication import add_communication
-from pipetrain.plan.passes.fsdp import add_fsdp
-from pipetrain.plan.passes.grad import add_grad_reduction
+from pipetrain.plan.passes._graph import OVERLAP, B, F, I, W, gc_paused
+from pipetrain.plan.passes.communication import add_communication, communication_pass
+from pipetrain.plan.passes.fsdp import add_fsdp, check_prefetch, fsdp_pass
+from pipetrain.plan.passes.grad import add_grad_reduction, grad_reduction_pass
 from pipetrain.plan.passes.merge import merge_input_weight
 from pipetrain.plan.schedule import Schedule
 from pipetrain.plan.validate import validate
@@ -36,9 +36,14 @@ def lower(
     RESHARD after. ``merge_iw``: I directly followed by its W becomes one B. Lowering an already
     lowered schedule raises :class:`ScheduleError`.
     """
+    if fsdp:
+        check_prefetch(prefetch)
     for rank in range(schedule.num_ranks):
         for step, action in enumerate(schedule.actions[rank]):
-            if action is not None and not action.kind.is_compute:
+            if action is None:
+                continue
+            kind = action.kind
+            if not (kind is F or kind is I or kind is W or kind is B or kind is OVERLAP):
                 raise ScheduleError(
                     f"rank {rank}, step {step}, action {action}: the schedule is already lowered; "
                     "lower() takes a compute-only schedule (F, B, I, W, OVERLAP_F_B)"
@@ -53,11 +58,11 @@ def _lower(schedule: Schedule, comms: bool, grad_reduce: bool, fsdp: bool, prefe
     if merge_iw:
         out = merge_input_weight(out)
     if grad_reduce:
-        out = add_grad_reduction(out)
+        out = grad_reduction_pass(out)
     if fsdp:
-        out = add_fsdp(out, prefetch)
+        out = fsdp_pass(out, prefetch)
     if comms:
-        out = add_communication(out)
+        out = communication_pass(out)
     if out is schedule:
         out = schedule._derived({r: list(schedule.actions[r]) for r in range(schedule.num_ranks)})
     return out

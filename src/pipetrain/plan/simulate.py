@@ -78,6 +78,7 @@ class SimResult:
     num_sends: int
     lowered: bool
     _events: list[tuple[int, Action, float, float, int]] = field(repr=False, default_factory=list)
+    _values: list[float | None] | None = field(repr=False, default=None)  # lowered: message post times
 
     @property
     def idle(self) -> dict[int, float]:
@@ -141,7 +142,11 @@ class SimResult:
 
     @cached_property
     def _sorted_events(self) -> list[tuple[int, Action, float, float, int]]:
-        return sorted(self._events, key=lambda e: (e[0], e[2], e[3]))
+        events = self._events
+        if self._values is not None:
+            n_mb, n_st = self.num_microbatches, self.num_stages
+            events = _with_delivery_times(events, self._values, n_st * n_mb, n_mb, n_st, self.costs.comm)
+        return sorted(events, key=lambda e: (e[0], e[2], e[3]))
 
     def summary(self) -> dict[str, Any]:
         """A JSON-ready summary (what ``pipetrain simulate --json`` prints)."""
@@ -276,18 +281,18 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
     has_w = [False] * n_cells
     any_backward = False
     lowered = False
+    codes = _CODE
     for program in programs:
         for a in program:
             if a is None:
                 continue
-            for part in a.parts:
-                code = _code(part)
-                m = part.microbatch
-                if m is not None and not 0 <= m < n_mb:
-                    raise ScheduleError(f"action {a} on rank {rank_of[a.stage]}: microbatch {m} outside 0..{n_mb - 1}")
-                if code == _W and m is not None:
-                    has_w[part.stage * n_mb + m] = True
-                if _B <= code <= _W:
+            subs = a.sub_actions
+            for part in (a,) if subs is None else subs:
+                code = codes[part.kind._value_]
+                if code == _W:
+                    has_w[part.stage * n_mb + (part.microbatch or 0)] = True
+                    any_backward = True
+                elif code == _B or code == _I:
                     any_backward = True
                 elif _SF <= code <= _RB:
                     lowered = True
@@ -321,6 +326,8 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
     free_at: list[float | None] = [None] * n_cells
     waiting_on: dict[int, int] = {}
     ready = list(range(n_rk - 1, -1, -1))
+    num_sends = 0
+    last_delivery = 0.0
     while ready:
         r = ready.pop()
         program = programs[r]
@@ -389,6 +396,10 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
                             free_at[idx] = end
                     elif code == _W or (code == _B and not has_w[idx]):
                         free_at[idx] = end
+            elif code == _SF or code == _SB:
+                num_sends += 1
+                if end + comm > last_delivery:
+                    last_delivery = end + comm
             t = end
             k += 1
         pc[r] = k
@@ -401,14 +412,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
     if stuck:
         raise ScheduleError(_deadlock_message(schedule, pc, waiting_on, stuck, n_cells, n_mb))
 
-    makespan = max(clock, default=0.0)
-    num_sends = 0
-    if lowered:  # a step ends when every message is delivered
-        for _r, action, _start, end, _ in events:
-            if action.kind is ActionKind.SEND_F or action.kind is ActionKind.SEND_B:
-                num_sends += 1
-                makespan = max(makespan, end + comm)
-    events = _with_delivery_times(events, value, n_cells, n_mb, n_st, comm) if lowered else events
+    makespan = max(max(clock, default=0.0), last_delivery)  # a step ends when every message is delivered
 
     peak, peak_time, peak_bytes, peak_bytes_time = _memory(
         rank_of, alloc_at, free_at, value, n_cells, n_mb, act_bytes, n_rk
@@ -430,6 +434,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
         num_sends=num_sends,
         lowered=lowered,
         _events=events,
+        _values=value if lowered else None,
     )
 
 

@@ -14,11 +14,13 @@ for. All checks are linear in the number of actions.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 from pipetrain.plan.actions import Action
 from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.passes._graph import (
     OVERLAP,
+    RECV_B,
     RECV_F,
     REDUCE_GRAD,
     RESHARD,
@@ -41,20 +43,8 @@ _COMPLETENESS = "every (stage, microbatch) needs one F and either one B or one I
 _X_NONE, _X_B, _X_I = 0, 1, 2
 
 
-def _where(rank: int, step: int, action: Action | None) -> str:
+def _where(rank: int, step: int, action: object) -> str:
     return f"rank {rank}, step {step}, action {action}"
-
-
-class _Where:
-    """``rank r, step k, action a`` formatted only when an error message needs it."""
-
-    __slots__ = ("action", "rank", "step")
-
-    def __init__(self, rank: int, step: int, action: Action) -> None:
-        self.rank, self.step, self.action = rank, step, action
-
-    def __format__(self, spec: str) -> str:
-        return _where(self.rank, self.step, self.action)
 
 
 @dataclass
@@ -68,7 +58,6 @@ class _Index:
     x_kind: bytearray  # per (s, m): whether X is a B or an I
     has_backward: bool = False
     comm: list[tuple[int, int, Action]] = field(default_factory=list)
-    fsdp: list[tuple[int, int, Action]] = field(default_factory=list)
     reduce: list[tuple[int, int, Action]] = field(default_factory=list)
 
 
@@ -82,8 +71,6 @@ def _validate(schedule: Schedule) -> None:
     index = _scan(schedule)
     _check_completeness(index)
     comm = _CommPlan(index) if index.comm else None
-    if index.fsdp:
-        _check_fsdp(index)
     if index.reduce:
         _check_reduce_grad(index)
     _execute(index, comm)
@@ -91,14 +78,53 @@ def _validate(schedule: Schedule) -> None:
 
 # --------------------------------------------------------------------------- structure
 def _scan(schedule: Schedule) -> _Index:
-    """Check placement, ranges and duplicates; record where every compute part runs."""
+    """Check placement, ranges, duplicates and FSDP state; record where every compute part runs."""
     ids = Ids(schedule.num_stages, schedule.num_microbatches)
     S, M, SM = ids.S, ids.M, ids.SM
     rank_of = [schedule.stage_to_rank.get(s, -1) for s in range(S)]
     index = _Index(schedule, ids, rank_of, [-1] * (3 * SM), bytearray(SM))
     node_step = index.node_step
     x_kind = index.x_kind
+    # FSDP state per stage: 0 before any UNSHARD, 1 unsharded, 2 resharded.
+    shard = bytearray(S)
+    first_unshard = [-1] * S
     has_backward = False
+
+    def record(part: Action, rank: int, step: int, action: Action) -> None:
+        """The slow path for one compute part (OVERLAP_F_B parts, and errors)."""
+        nonlocal has_backward
+        s, m, pk = part.stage, part.microbatch, part.kind
+        if s >= S or rank_of[s] != rank or m is None or m >= M:
+            _check_place(part, rank, step, rank_of, M, whole=action)
+        assert m is not None
+        sm = s * M + m
+        if pk is F:
+            node = sm
+        elif pk is W:
+            node = 2 * SM + sm
+            has_backward = True
+        else:
+            node = SM + sm
+            has_backward = True
+            code = _X_B if pk is B else _X_I
+            if x_kind[sm] and x_kind[sm] != code:
+                other = "I" if code == _X_B else "B"
+                raise ScheduleError(
+                    f"{_where(rank, step, action)}: stage {s} microbatch {m} already has "
+                    f"{s}{other}{m} at step {node_step[node]}; {_COMPLETENESS}, never B together with I"
+                )
+            x_kind[sm] = code
+        if node_step[node] >= 0:
+            raise ScheduleError(
+                f"{_where(rank, step, action)}: duplicate {part}, already at step {node_step[node]}; {_COMPLETENESS}"
+            )
+        if shard[s] == 2:
+            raise ScheduleError(
+                f"{_where(rank, step, action)}: stage {s} is sharded here; an UNSHARD must precede its compute "
+                "(and no RESHARD come between)"
+            )
+        node_step[node] = step
+
     for rank in range(schedule.num_ranks):
         for step, action in enumerate(schedule.actions[rank]):
             if action is None:
@@ -106,51 +132,60 @@ def _scan(schedule: Schedule) -> _Index:
             if type(action) is not Action:
                 raise ScheduleError(f"rank {rank}, step {step}: expected an Action or None, got {action!r}")
             kind = action.kind
-            if kind is OVERLAP:
-                parts: tuple[Action, ...] = action.sub_actions or ()
-            elif kind is F or kind is B or kind is I or kind is W:
-                parts = (action,)
+            if kind is F:
+                # The common case, inline: a forward whose stage and microbatch are in range.
+                s, m = action.stage, action.microbatch
+                if s < S and rank_of[s] == rank and m < M and not shard[s] & 2:  # type: ignore[operator]
+                    node = s * M + m  # type: ignore[operator]
+                    if node_step[node] < 0:
+                        node_step[node] = step
+                        continue
+                record(action, rank, step, action)
+            elif kind is I or kind is W or kind is B:
+                record(action, rank, step, action)
+            elif kind is OVERLAP:
+                for part in action.parts:
+                    record(part, rank, step, action)
             else:
-                _check_place(action, rank, step, rank_of, M)
-                if kind is UNSHARD or kind is RESHARD:
-                    index.fsdp.append((rank, step, action))
+                s, m = action.stage, action.microbatch
+                if s >= S or rank_of[s] != rank or (m is not None and m >= M):
+                    _check_place(action, rank, step, rank_of, M)
+                if kind is UNSHARD:
+                    if shard[s] == 1:
+                        raise ScheduleError(f"{_where(rank, step, action)}: stage {s} is already unsharded")
+                    shard[s] = 1
+                    if first_unshard[s] < 0:
+                        first_unshard[s] = step
+                elif kind is RESHARD:
+                    if shard[s] != 1:
+                        raise ScheduleError(
+                            f"{_where(rank, step, action)}: stage {s} is not unsharded here; a RESHARD must follow "
+                            "an UNSHARD of its stage"
+                        )
+                    shard[s] = 2
                 elif kind is REDUCE_GRAD:
                     index.reduce.append((rank, step, action))
                 else:
                     index.comm.append((rank, step, action))
-                continue
-            for part in parts:
-                s = part.stage
-                m = part.microbatch
-                if s >= S or rank_of[s] != rank or m is None or m >= M:
-                    _check_place(part, rank, step, rank_of, M, whole=action)
-                    raise AssertionError("unreachable")  # pragma: no cover
-                pk = part.kind
-                sm = s * M + m
-                if pk is F:
-                    node = sm
-                elif pk is W:
-                    node = 2 * SM + sm
-                    has_backward = True
-                else:
-                    node = SM + sm
-                    has_backward = True
-                    code = _X_B if pk is B else _X_I
-                    if x_kind[sm] and x_kind[sm] != code:
-                        other = "I" if code == _X_B else "B"
-                        raise ScheduleError(
-                            f"{_where(rank, step, action)}: stage {s} microbatch {m} already has "
-                            f"{s}{other}{m} at step {node_step[node]}; {_COMPLETENESS}, never B together with I"
-                        )
-                    x_kind[sm] = code
-                if node_step[node] >= 0:
-                    raise ScheduleError(
-                        f"{_where(rank, step, action)}: duplicate {part}, already at step {node_step[node]}; "
-                        f"{_COMPLETENESS}"
-                    )
-                node_step[node] = step
     index.has_backward = has_backward
+    _check_unshard_first(index, first_unshard)
     return index
+
+
+def _check_unshard_first(index: _Index, first_unshard: list[int]) -> None:
+    """A stage that has UNSHARD actions must not compute before its first one."""
+    SM, M = index.ids.SM, index.ids.M
+    node_step = index.node_step
+    for s, first in enumerate(first_unshard):
+        if first < 0:
+            continue
+        steps = [(node_step[g * SM + s * M + m], g * SM + s * M + m) for g in range(3) for m in range(M)]
+        early = min((st, node) for st, node in steps if st >= 0)
+        if early[0] < first:
+            raise ScheduleError(
+                f"{_where(index.rank_of[s], early[0], _node_name(index, early[1]))}: stage {s} is sharded here; "
+                "an UNSHARD must precede its compute (and no RESHARD come between)"
+            )
 
 
 def _check_place(
@@ -190,8 +225,8 @@ def _check_completeness(index: _Index) -> None:
                 raise ScheduleError(f"rank {rank}: stage {s} microbatch {m} has no forward {s}F{m}; {_COMPLETENESS}")
             if not backward:
                 continue
-            here = _where(rank, f_step, Action(s, F, m))
             if x_step < 0:
+                here = _where(rank, f_step, Action(s, F, m))
                 if w_step >= 0:
                     raise ScheduleError(
                         f"{_where(rank, w_step, Action(s, W, m))}: needs {s}I{m}, which is missing; {_COMPLETENESS}"
@@ -220,11 +255,12 @@ class _CommPlan:
     def __init__(self, index: _Index) -> None:
         ids, rank_of, node_step = index.ids, index.rank_of, index.node_step
         S, M, SM = ids.S, ids.M, ids.SM
-        num_ranks = index.schedule.num_ranks
-        n = len(index.comm)
-        self.op_rank = [0] * n
-        self.op_step = [0] * n
-        self.op_action: list[Action] = [a for _, _, a in index.comm]
+        R = index.schedule.num_ranks
+        comm = index.comm
+        n = len(comm)
+        self.op_rank = [r for r, _, _ in comm]
+        self.op_step = [k for _, k, _ in comm]
+        self.op_action: list[Action] = [a for _, _, a in comm]
         self.op_msg = [0] * n
         self.token = [-1] * n
         self.peer = [-1] * n
@@ -232,113 +268,136 @@ class _CommPlan:
         self.group_ops: list[list[int]] = []
         self.group_rank: list[int] = []
         self.group_start: list[int] = []
-        self.rank_groups: list[list[int]] = [[] for _ in range(num_ranks)]
+        self.rank_groups: list[list[int]] = [[] for _ in range(R)]
         send_op = [-1] * (2 * SM)
         recv_op = [-1] * (2 * SM)
         sends: dict[int, list[int]] = {}
         recvs: dict[int, list[int]] = {}
+        op_msg, token, op_group = self.op_msg, self.token, self.op_group
+        group_ops = self.group_ops
+        has_backward = index.has_backward
+        msg_base = 3 * SM
         last_rank, last_step = -1, -2
-        for op, (rank, step, action) in enumerate(index.comm):
+        current: list[int] = []
+        for op, (rank, step, action) in enumerate(comm):
             kind, s, m = action.kind, action.stage, action.microbatch
             assert m is not None
-            where = _Where(rank, step, action)
-            if kind is SEND_F or kind is RECV_F:
-                src = s if kind is SEND_F else s - 1
-                if src < 0 or src + 1 >= S:
-                    end = "last" if kind is SEND_F else "first"
-                    raise ScheduleError(f"{where}: stage {s} is the {end} stage; there is no forward message to carry")
-                msg, producer, consumer, dst_stage = src * M + m, src * M + m, (src + 1) * M + m, src + 1
+            # msg: the producer's F or X node id, which is also the message id.
+            if kind is SEND_F:
+                src, dst, msg, is_send = s, s + 1, s * M + m, True
+            elif kind is RECV_F:
+                src, dst, msg, is_send = s - 1, s, (s - 1) * M + m, False
+            elif kind is SEND_B:
+                src, dst, msg, is_send = s, s - 1, SM + s * M + m, True
             else:
-                src = s if kind is SEND_B else s + 1
-                if src - 1 < 0 or src >= S:
-                    end = "first" if kind is SEND_B else "last"
-                    raise ScheduleError(f"{where}: stage {s} is the {end} stage; there is no gradient message to carry")
-                if not index.has_backward:
-                    raise ScheduleError(f"{where}: a forward-only schedule sends no gradients")
-                msg, producer, consumer, dst_stage = SM + src * M + m, SM + src * M + m, SM + (src - 1) * M + m, src - 1
-            a_rank, b_rank = rank_of[src], rank_of[dst_stage]
-            if a_rank == b_rank:
+                src, dst, msg, is_send = s + 1, s, SM + (s + 1) * M + m, False
+            if dst < 0 or dst >= S or src < 0 or src >= S or (msg >= SM and not has_backward):
+                _endpoint_error(index, rank, step, action)
+            if rank_of[src] == rank_of[dst]:
                 raise ScheduleError(
-                    f"{where}: stages {src} and {dst_stage} both live on rank {a_rank}; stages on the same rank "
-                    "pass tensors in memory, with no SEND/RECV between them"
+                    f"{_where(rank, step, action)}: stages {src} and {dst} both live on rank {rank}; stages on the "
+                    "same rank pass tensors in memory, with no SEND/RECV between them"
                 )
-            is_send = kind is SEND_F or kind is SEND_B
-            table = send_op if is_send else recv_op
-            if table[msg] >= 0:
-                raise ScheduleError(f"{where}: duplicate {action}, already at step {self.op_step[table[msg]]}")
-            table[msg] = op
             if is_send:
-                if node_step[producer] > step or node_step[producer] < 0:
-                    raise ScheduleError(
-                        f"{where}: sends the output of {_node_name(index, producer)} (step {node_step[producer]}), "
-                        "which has not run yet; "
-                        "a SEND must follow the action that produces its message"
-                    )
-                sends.setdefault(a_rank * num_ranks + b_rank, []).append(op)
+                if send_op[msg] >= 0 or not 0 <= node_step[msg] < step:
+                    _order_error(index, rank, step, action, send_op[msg], msg, self.op_step)
+                send_op[msg] = op
+                sends.setdefault(rank * R + rank_of[dst], []).append(op)
             else:
-                if node_step[consumer] < step:
-                    raise ScheduleError(
-                        f"{where}: receives for {_node_name(index, consumer)}, which already ran at step {node_step[consumer]}; "
-                        "a RECV must come before the action that consumes it"
-                    )
-                recvs.setdefault(a_rank * num_ranks + b_rank, []).append(op)
-                self.token[op] = 3 * SM + msg
-            self.op_rank[op], self.op_step[op], self.op_msg[op] = rank, step, msg
+                consumer = msg + M if msg < SM else msg - M
+                if recv_op[msg] >= 0 or node_step[consumer] < step:
+                    _order_error(index, rank, step, action, recv_op[msg], consumer, self.op_step)
+                recv_op[msg] = op
+                recvs.setdefault(rank_of[src] * R + rank, []).append(op)
+                token[op] = msg_base + msg
+            op_msg[op] = msg
             if rank != last_rank or step != last_step + 1:
-                self.group_ops.append([])
+                current = []
+                group_ops.append(current)
                 self.group_rank.append(rank)
                 self.group_start.append(step)
-                self.rank_groups[rank].append(len(self.group_ops) - 1)
-            self.group_ops[-1].append(op)
-            self.op_group[op] = len(self.group_ops) - 1
+                self.rank_groups[rank].append(len(group_ops) - 1)
+            current.append(op)
+            op_group[op] = len(group_ops) - 1
             last_rank, last_step = rank, step
         self._check_carried(index, send_op, recv_op)
         self._match_fifo(index, sends, recvs)
 
     def _check_carried(self, index: _Index, send_op: list[int], recv_op: list[int]) -> None:
         """Every dependency between stages on different ranks has one SEND and one RECV."""
-        ids, rank_of, node_step, x_kind = index.ids, index.rank_of, index.node_step, index.x_kind
+        ids, rank_of, node_step = index.ids, index.rank_of, index.node_step
         S, M, SM = ids.S, ids.M, ids.SM
         prev_cross, next_cross = cross_rank_flags(rank_of)
         for s in range(S):
             for grad, cross in ((0, next_cross[s]), (1, prev_cross[s])):
                 if not cross or (grad and not index.has_backward):
                     continue
-                for m in range(M):
-                    msg = grad * SM + s * M + m
+                lo = grad * SM + s * M
+                if min(send_op[lo : lo + M]) >= 0 and min(recv_op[lo : lo + M]) >= 0:
+                    continue
+                for msg in range(lo, lo + M):
                     send, recv = ids.message_actions(msg)
                     if send_op[msg] < 0:
-                        producer = Action(s, (I if x_kind[s * M + m] == _X_I else B) if grad else F, m)
                         raise ScheduleError(
-                            f"{_where(rank_of[s], node_step[msg], producer)}: its output goes to stage {recv.stage} on "
-                            f"rank {rank_of[recv.stage]}, but no {send} follows it"
+                            f"{_where(rank_of[s], node_step[msg], _node_name(index, msg))}: its output goes to stage "
+                            f"{recv.stage} on rank {rank_of[recv.stage]}, but no {send} follows it"
                         )
                     if recv_op[msg] < 0:
-                        c_stage = recv.stage
-                        c_node = (c_stage * M + m) if not grad else SM + c_stage * M + m
-                        consumer = Action(c_stage, (I if x_kind[c_stage * M + m] == _X_I else B) if grad else F, m)
+                        consumer = msg - M if grad else msg + M
                         raise ScheduleError(
-                            f"{_where(rank_of[c_stage], node_step[c_node], consumer)}: needs {producer_name(send)} from "
-                            f"rank {rank_of[s]}, but no {recv} comes before it (the {send} at step "
-                            f"{self.op_step[send_op[msg]]} on rank {rank_of[s]} has no matching RECV)"
+                            f"{_where(rank_of[recv.stage], node_step[consumer], _node_name(index, consumer))}: needs "
+                            f"{producer_name(send)} from rank {rank_of[s]}, but no {recv} comes before it (the {send} at "
+                            f"step {self.op_step[send_op[msg]]} on rank {rank_of[s]} has no matching RECV)"
                         )
 
     def _match_fifo(self, index: _Index, sends: dict[int, list[int]], recvs: dict[int, list[int]]) -> None:
         """The k-th SEND from a to b must carry what the k-th RECV on b from a expects."""
-        num_ranks = index.schedule.num_ranks
+        R = index.schedule.num_ranks
+        op_msg, peer = self.op_msg, self.peer
         for pair, send_list in sends.items():
             recv_list = recvs.get(pair, [])
-            a_rank, b_rank = divmod(pair, num_ranks)
-            for k, (s_op, r_op) in enumerate(zip(send_list, recv_list, strict=False)):
-                if self.op_msg[s_op] != self.op_msg[r_op]:
-                    raise ScheduleError(
-                        f"{_where(b_rank, self.op_step[r_op], self.op_action[r_op])}: FIFO order mismatch: message "
-                        f"{k + 1} from rank {a_rank} to rank {b_rank} is {self.op_action[s_op]} (rank {a_rank}, step "
-                        f"{self.op_step[s_op]}), but this RECV expects {producer_name(self.op_action[r_op])}; "
-                        "sends and receives between two ranks must be posted in the same order"
-                    )
-                self.peer[s_op] = r_op
-                self.peer[r_op] = s_op
+            if [op_msg[o] for o in send_list] != [op_msg[o] for o in recv_list]:
+                a_rank, b_rank = divmod(pair, R)
+                for k, (s_op, r_op) in enumerate(zip(send_list, recv_list, strict=False)):
+                    if op_msg[s_op] != op_msg[r_op]:
+                        raise ScheduleError(
+                            f"{_where(b_rank, self.op_step[r_op], self.op_action[r_op])}: FIFO order mismatch: message "
+                            f"{k + 1} from rank {a_rank} to rank {b_rank} is {self.op_action[s_op]} (rank {a_rank}, "
+                            f"step {self.op_step[s_op]}), but this RECV expects {producer_name(self.op_action[r_op])}; "
+                            "sends and receives between two ranks must be posted in the same order"
+                        )
+                raise AssertionError("unreachable: every message has one SEND and one RECV")  # pragma: no cover
+            for s_op, r_op in zip(send_list, recv_list, strict=True):
+                peer[s_op] = r_op
+                peer[r_op] = s_op
+
+
+def _endpoint_error(index: _Index, rank: int, step: int, action: Action) -> NoReturn:
+    kind, s = action.kind, action.stage
+    where = _where(rank, step, action)
+    if not index.has_backward and kind in (SEND_B, RECV_B):
+        raise ScheduleError(f"{where}: a forward-only schedule sends no gradients")
+    end = "last" if kind in (SEND_F, RECV_B) else "first"
+    what = "forward" if kind in (SEND_F, RECV_F) else "gradient"
+    raise ScheduleError(f"{where}: stage {s} is the {end} stage; there is no {what} message to carry")
+
+
+def _order_error(
+    index: _Index, rank: int, step: int, action: Action, earlier_op: int, node: int, op_step: list[int]
+) -> NoReturn:
+    where = _where(rank, step, action)
+    if earlier_op >= 0:
+        raise ScheduleError(f"{where}: duplicate {action}, already at step {op_step[earlier_op]}")
+    node_step = index.node_step[node]
+    if action.kind in (SEND_F, SEND_B):
+        raise ScheduleError(
+            f"{where}: sends the output of {_node_name(index, node)} (step {node_step}), which has not run yet; "
+            "a SEND must follow the action that produces its message"
+        )
+    raise ScheduleError(
+        f"{where}: receives for {_node_name(index, node)}, which already ran at step {node_step}; "
+        "a RECV must come before the action that consumes it"
+    )
 
 
 def producer_name(action: Action) -> str:
@@ -354,37 +413,6 @@ def producer_name(action: Action) -> str:
 
 
 # ------------------------------------------------------------ FSDP and gradients
-def _check_fsdp(index: _Index) -> None:
-    """UNSHARD/RESHARD alternate per stage; compute on a stage with UNSHARDs needs it unsharded."""
-    schedule = index.schedule
-    with_unshard = {a.stage for _, _, a in index.fsdp if a.kind is UNSHARD}
-    for rank, step, action in index.fsdp:
-        if action.kind is RESHARD and action.stage not in with_unshard:
-            raise ScheduleError(f"{_where(rank, step, action)}: stage {action.stage} is never unsharded")
-    ranks = sorted({index.rank_of[s] for s in with_unshard})
-    for rank in ranks:
-        unsharded: dict[int, bool] = dict.fromkeys((s for s in with_unshard if index.rank_of[s] == rank), False)
-        for step, a in enumerate(schedule.actions[rank]):
-            if a is None:
-                continue
-            kind = a.kind
-            if kind is UNSHARD:
-                if unsharded[a.stage]:
-                    raise ScheduleError(f"{_where(rank, step, a)}: stage {a.stage} is already unsharded")
-                unsharded[a.stage] = True
-            elif kind is RESHARD:
-                if not unsharded[a.stage]:
-                    raise ScheduleError(f"{_where(rank, step, a)}: stage {a.stage} is not unsharded")
-                unsharded[a.stage] = False
-            elif kind.is_compute:
-                for part in a.parts:
-                    if unsharded.get(part.stage) is False:
-                        raise ScheduleError(
-                            f"{_where(rank, step, a)}: stage {part.stage} is sharded here; an UNSHARD must "
-                            "precede its compute (and no RESHARD come between)"
-                        )
-
-
 def _check_reduce_grad(index: _Index) -> None:
     """One REDUCE_GRAD per stage, after the stage's last B or W."""
     ids, node_step = index.ids, index.node_step
@@ -545,7 +573,7 @@ def _execute(index: _Index, comm: _CommPlan | None) -> None:
                     woken = waiting.pop(node, None)
                     if woken:
                         queue.extend(woken)
-            elif k.is_comm:
+            elif k is SEND_F or k is RECV_F or k is SEND_B or k is RECV_B:
                 assert comm is not None
                 g = rank_groups[r][issued[r]]
                 issued[r] += 1

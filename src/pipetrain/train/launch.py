@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException, start_processes
 
 from pipetrain.errors import PipelineError
 
@@ -101,10 +101,10 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any) -> None:
         raise PipelineError(f"need at least one rank, got {nprocs}")
     port = free_port()
     try:
-        mp.start_processes(_child, args=(fn, nprocs, port, args), nprocs=nprocs, join=True, start_method="spawn")
-    except mp.ProcessRaisedException as err:
+        start_processes(_child, args=(fn, nprocs, port, args), nprocs=nprocs, join=True, start_method="spawn")
+    except ProcessRaisedException as err:
         raise PipelineError(f"rank {err.error_index} failed: {_last_line(str(err))}") from None
-    except mp.ProcessExitedException as err:
+    except ProcessExitedException as err:
         raise PipelineError(f"rank {err.error_index} exited with code {err.exit_code}") from None
 
 

@@ -53,12 +53,10 @@ def costs_from_timeline(timeline: Timeline, num_stages: int) -> dict[str, Any]:
     return out
 
 
-def _simulate(schedule: Schedule, measured: Timeline) -> Timeline | None:
-    try:
-        from pipetrain.plan.costs import Costs
-        from pipetrain.plan.simulate import simulate
-    except ImportError:
-        return None
+def _simulate(schedule: Schedule, measured: Timeline) -> Timeline:
+    from pipetrain.plan.costs import Costs
+    from pipetrain.plan.simulate import simulate
+
     costs = Costs(**costs_from_timeline(measured, schedule.num_stages), comm=0.0)
     result = simulate(schedule, costs)
     timeline: Timeline = result.timeline
@@ -67,23 +65,22 @@ def _simulate(schedule: Schedule, measured: Timeline) -> Timeline | None:
     return timeline
 
 
-def _draw(timeline: Timeline, png: Path, trace: Path) -> list[Path]:
-    written = []
+def _draw(timelines: list[Timeline], png: Path) -> list[Path]:
+    """PNG of the timelines stacked on one time axis; nothing when matplotlib is not installed."""
+    from pipetrain.plan.render import render_timelines
+
     try:
-        from pipetrain.plan.render import render_png
+        render_timelines(timelines, png)
     except ImportError:
-        render_png = None
-    if render_png is not None:
-        render_png(timeline, png)
-        written.append(png)
-    try:
-        from pipetrain.plan.trace import write_chrome_trace
-    except ImportError:
-        write_chrome_trace = None
-    if write_chrome_trace is not None:
-        write_chrome_trace(timeline, trace)
-        written.append(trace)
-    return written
+        return []
+    return [png]
+
+
+def _trace(timeline: Timeline, path: Path) -> list[Path]:
+    from pipetrain.plan.trace import write_chrome_trace
+
+    write_chrome_trace(timeline, path)
+    return [path]
 
 
 def write_outputs(
@@ -111,14 +108,18 @@ def write_outputs(
         measured.title = f"{schedule.name or 'schedule'}: measured last step ({cfg.device})"
         measured.to_json(out / "measured_timeline.json")
         written.append(out / "measured_timeline.json")
-        written += _draw(measured, out / "measured_timeline.png", out / "measured_trace.json")
+        written += _draw([measured], out / "measured_timeline.png")
+        written += _trace(measured, out / "measured_trace.json")
         simulated = _simulate(schedule, measured)
         summary["measured_step_s"] = measured.makespan
         summary["measured_bubble"] = bubble_fraction(measured)
-    if simulated is not None:
+    if measured is not None and simulated is not None:
         simulated.to_json(out / "simulated_timeline.json")
         written.append(out / "simulated_timeline.json")
-        written += _draw(simulated, out / "simulated_timeline.png", out / "simulated_trace.json")
+        written += _draw([simulated], out / "simulated_timeline.png")
+        written += _trace(simulated, out / "simulated_trace.json")
+        # The two on one time axis: the gap between them is what the cost model leaves out.
+        written += _draw([measured, simulated], out / "timelines.png")
         summary["simulated_step_s"] = simulated.makespan
         summary["simulated_bubble"] = bubble_fraction(simulated)
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")

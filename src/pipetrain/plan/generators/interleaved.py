@@ -42,7 +42,13 @@ def microbatch_groups(num_ranks: int, num_microbatches: int) -> list[range]:
 
 
 def warmup_forwards(rank: int, num_ranks: int, stages_per_rank: int, first_group: int) -> int:
-    """Forwards rank ``rank`` runs before its first backward (before capping at the total)."""
+    """Forwards rank ``rank`` runs before its first backward (before capping at the total).
+
+    With one stage per rank this is plain 1F1B's warm-up; with several, the first backward of a
+    rank's first chunk returns through every later chunk, so the rank-dependent part doubles.
+    """
+    if stages_per_rank == 1:
+        return num_ranks - 1 - rank
     return (stages_per_rank - 1) * first_group + 2 * (num_ranks - 1 - rank)
 
 

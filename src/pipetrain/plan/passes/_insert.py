@@ -5,6 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pipetrain.plan.actions import Action, ActionKind
+from pipetrain.plan.errors import ScheduleError
+from pipetrain.plan.passes._graph import OVERLAP, B, F, I, W
+from pipetrain.plan.schedule import Schedule
 
 
 def insert_around_compute(
@@ -24,7 +27,8 @@ def insert_around_compute(
         if pending is not None and (item is None or item.kind not in skip_after):
             out.extend(pending)
             pending = None
-        if item is not None and item.kind.is_compute:
+        kind = None if item is None else item.kind
+        if kind is F or kind is I or kind is W or kind is B or kind is OVERLAP:
             extra = before[k]
             if extra:
                 out.extend(extra)
@@ -40,13 +44,24 @@ def insert_around_compute(
 
 def compute_parts(program: Sequence[Action | None]) -> list[tuple[Action, ...]]:
     """The parts of each compute action of ``program``, in order."""
-    return [a.parts for a in program if a is not None and a.kind.is_compute]
+    out: list[tuple[Action, ...]] = []
+    for a in program:
+        if a is None:
+            continue
+        kind = a.kind
+        if kind is F or kind is I or kind is W or kind is B:
+            out.append((a,))
+        elif kind is OVERLAP:
+            out.append(a.parts)
+    return out
 
 
-def refuse_existing(programs: Sequence[Sequence[Action | None]], kinds: frozenset[ActionKind], what: str) -> None:
-    from pipetrain.plan.errors import ScheduleError
-
-    for rank, program in enumerate(programs):
-        for step, a in enumerate(program):
-            if a is not None and a.kind in kinds:
+def refuse_existing(schedule: Schedule, kinds: frozenset[ActionKind], what: str) -> None:
+    """Raise if ``schedule`` already holds actions of ``kinds`` (a pass must not run twice)."""
+    for rank in range(schedule.num_ranks):
+        for step, a in enumerate(schedule.actions[rank]):
+            if a is None:
+                continue
+            kind = a.kind
+            if not (kind is F or kind is I or kind is W or kind is B or kind is OVERLAP) and kind in kinds:
                 raise ScheduleError(f"rank {rank}, step {step}, action {a}: the schedule already has {what}")

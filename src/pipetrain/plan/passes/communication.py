@@ -34,8 +34,13 @@ def add_communication(schedule: Schedule) -> Schedule:
     schedule's timing comes from its messages. Raises ScheduleError if the schedule already has
     SEND/RECV or cannot run.
     """
+    refuse_existing(schedule, _COMM_KINDS, "SEND/RECV actions (it is already lowered)")
+    return communication_pass(schedule)
+
+
+def communication_pass(schedule: Schedule) -> Schedule:
+    """:func:`add_communication` without the check for existing SEND/RECV (for ``lower``)."""
     programs = [schedule.actions[r] for r in range(schedule.num_ranks)]
-    refuse_existing(programs, _COMM_KINDS, "SEND/RECV actions (it is already lowered)")
     ids = Ids(schedule.num_stages, schedule.num_microbatches)
     M, SM = ids.M, ids.SM
     width = 2 * SM
@@ -70,36 +75,44 @@ def add_communication(schedule: Schedule) -> Schedule:
         ev = events[r]
         ev.sort()
         row = starts[r]
-        compute_starts = [st for st in row if st >= 0]
+        # Bounds: the events of the gap after the j-th compute action are those with a time up to
+        # the next compute action's start; before the first compute, those up to its start.
+        bounds = [(st + 1) * width for st in row if st >= 0]
+        bounds.append(1 << 62)
         out: list[Action | None] = []
+        append = out.append
         p = 0
         n_ev = len(ev)
-
-        def flush(limit: int, r: int = r, ev: list[int] = ev, out: list[Action | None] = out, n_ev: int = n_ev) -> int:
-            nonlocal p
-            bound = (limit + 1) * width
-            q = p
-            while q < n_ev and ev[q] < bound:
-                msg = ev[q] % width
-                grad, rest = divmod(msg, SM)
-                s, m = divmod(rest, M)
-                if grad:
-                    out.append(make_action(s, SEND_B, m) if rank_of[s] == r else make_action(s - 1, RECV_B, m))
-                else:
-                    out.append(make_action(s, SEND_F, m) if rank_of[s] == r else make_action(s + 1, RECV_F, m))
-                q += 1
-            p = q
-            return q
-
         j = 0
-        if compute_starts:
-            flush(compute_starts[0])
+        bound = bounds[0]
+        emit_now = True  # at the start of the program and right after each compute action
         for i, a in enumerate(program):
+            if emit_now:
+                while p < n_ev and ev[p] < bound:
+                    msg = ev[p] % width
+                    grad, rest = divmod(msg, SM)
+                    s, m = divmod(rest, M)
+                    if grad:
+                        append(make_action(s, SEND_B, m) if rank_of[s] == r else make_action(s - 1, RECV_B, m))
+                    else:
+                        append(make_action(s, SEND_F, m) if rank_of[s] == r else make_action(s + 1, RECV_F, m))
+                    p += 1
+                emit_now = False
             if a is None:
                 continue
-            out.append(a)
+            append(a)
             if row[i] >= 0:
                 j += 1
-                flush(compute_starts[j] if j < len(compute_starts) else 1 << 62)
+                bound = bounds[j]
+                emit_now = True
+        while p < n_ev:
+            msg = ev[p] % width
+            grad, rest = divmod(msg, SM)
+            s, m = divmod(rest, M)
+            if grad:
+                append(make_action(s, SEND_B, m) if rank_of[s] == r else make_action(s - 1, RECV_B, m))
+            else:
+                append(make_action(s, SEND_F, m) if rank_of[s] == r else make_action(s + 1, RECV_F, m))
+            p += 1
         lowered[r] = out
     return schedule._derived(lowered)

@@ -20,10 +20,19 @@ _SKIP_AFTER = frozenset({SEND_F, RECV_F, SEND_B, RECV_B, REDUCE_GRAD})
 
 def add_fsdp(schedule: Schedule, prefetch: int = 1) -> Schedule:
     """Return ``schedule`` with UNSHARD/RESHARD for every stage (see the module docstring)."""
+    check_prefetch(prefetch)
+    refuse_existing(schedule, frozenset({UNSHARD, RESHARD}), "UNSHARD/RESHARD actions")
+    return fsdp_pass(schedule, prefetch)
+
+
+def check_prefetch(prefetch: object) -> None:
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ScheduleError(f"FSDP prefetch must be an integer >= 0 (compute actions ahead), got {prefetch!r}")
+
+
+def fsdp_pass(schedule: Schedule, prefetch: int) -> Schedule:
+    """:func:`add_fsdp` without the argument and repeat checks (for ``lower``)."""
     programs = [schedule.actions[r] for r in range(schedule.num_ranks)]
-    refuse_existing(programs, frozenset({UNSHARD, RESHARD}), "UNSHARD/RESHARD actions")
     out: dict[int, list[Action | None]] = {}
     for r, program in enumerate(programs):
         parts = compute_parts(program)

@@ -17,8 +17,13 @@ def add_grad_reduction(schedule: Schedule) -> Schedule:
     It goes after the SEND/RECV run that follows that action, if any, so that run stays one
     communication group. A forward-only schedule has no gradients: ScheduleError.
     """
+    refuse_existing(schedule, frozenset({REDUCE_GRAD}), "REDUCE_GRAD actions")
+    return grad_reduction_pass(schedule)
+
+
+def grad_reduction_pass(schedule: Schedule) -> Schedule:
+    """:func:`add_grad_reduction` without the repeat check (for ``lower``)."""
     programs = [schedule.actions[r] for r in range(schedule.num_ranks)]
-    refuse_existing(programs, frozenset({REDUCE_GRAD}), "REDUCE_GRAD actions")
     out: dict[int, list[Action | None]] = {}
     any_backward = False
     for r, program in enumerate(programs):

@@ -1,0 +1,127 @@
+"""Planning speed: build + validate + lower here, beside torch 2.13's schedule constructors.
+
+torch builds its pipeline order, validates it and lowers it (FSDP unshard/reshard, REDUCE_GRAD,
+SEND/RECV) in the schedule constructor; it is constructed here with light stand-in stage objects
+(no process group). Our side does the same work: build the compute schedule, validate it, and
+lower it with the same passes (``lower(fsdp=True, grad_reduce=True)``); validating the lowered
+schedule (the NCCL deadlock model; torch has no equivalent) is timed in its own column.
+
+Run: ``.venv/bin/python benchmarks/plan_speed.py [--repeat N] [--no-torch]``. Prints a markdown
+table: per configuration our times, torch's, the speed-up, and the growth from the smaller to
+the larger size (4× the actions: linear growth is about 4×).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipetrain.plan import build_schedule
+
+CONFIGS = [
+    ("ZBVZeroBubble", 32, 256),
+    ("ZBVZeroBubble", 64, 512),
+    ("InterleavedZeroBubble", 32, 256),
+    ("InterleavedZeroBubble", 64, 512),
+]
+STAGES_PER_RANK = 2
+
+
+@dataclass
+class FakeStage:
+    """What torch's schedule constructors read from a stage, and nothing more."""
+
+    stage_index: int
+    num_stages: int
+    group_size: int
+    group_rank: int = 0
+    submod: Any = None
+    stage_index_to_group_rank: dict[int, int] = field(default_factory=dict)
+
+
+def best_of(repeat: int, fn: Callable[[], Any]) -> tuple[float, Any]:
+    """Fastest of ``repeat`` runs (each after a full collection, as in a fresh process)."""
+    best, result = float("inf"), None
+    for _ in range(repeat):
+        gc.collect()
+        start = time.perf_counter()
+        result = fn()
+        best = min(best, time.perf_counter() - start)
+    return best, result
+
+
+def ours(name: str, p: int, m: int, repeat: int) -> dict[str, float | int]:
+    t_build, s = best_of(repeat, lambda: build_schedule(name, p, m, STAGES_PER_RANK))
+    t_validate, _ = best_of(repeat, s.validate)
+    t_lower, low = best_of(repeat, lambda: s.lower(fsdp=True, grad_reduce=True))
+    t_check, _ = best_of(repeat, low.validate)
+    # lower() validates its input itself; build + lower is the work torch's constructor does.
+    return {
+        "build": t_build,
+        "validate": t_validate,
+        "lower": t_lower,
+        "total": t_build + t_lower,
+        "validate_lowered": t_check,
+        "actions": len(s),
+        "lowered_actions": len(low),
+    }
+
+
+def torch_constructor(name: str, p: int, m: int) -> float:
+    from torch.distributed.pipelining import schedules as ts
+
+    n = p * STAGES_PER_RANK
+    if name == "ZBVZeroBubble":
+        stages = [FakeStage(0, n, p), FakeStage(n - 1, n, p)]
+        cls: Any = ts.ScheduleZBVZeroBubble
+    else:
+        stages = [FakeStage(k * p, n, p) for k in range(STAGES_PER_RANK)]
+        cls = ts.ScheduleInterleavedZeroBubble
+    gc.collect()
+    start = time.perf_counter()
+    cls(stages, m)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=3, help="runs per measurement of ours (best is kept)")
+    parser.add_argument("--no-torch", action="store_true", help="skip torch's constructors (they take minutes)")
+    args = parser.parse_args()
+
+    rows = []
+    for name, p, m in CONFIGS:
+        mine = ours(name, p, m, args.repeat)
+        theirs = None if args.no_torch else torch_constructor(name, p, m)
+        rows.append((name, p, m, mine, theirs))
+
+    print(
+        f"| schedule | ranks × stages × microbatches | actions (lowered) | build | validate | lower (incl. validate) "
+        f"| **build + lower** | validate lowered | torch constructor | speed-up |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, p, m, mine, theirs in rows:
+        torch_cell = "—" if theirs is None else f"{theirs:.2f} s"
+        ratio = "—" if theirs is None else f"**{theirs / mine['total']:.0f}×**"
+        print(
+            f"| {name} | {p} × {STAGES_PER_RANK} × {m} | {mine['actions']:,} ({mine['lowered_actions']:,}) "
+            f"| {mine['build']:.3f} s | {mine['validate']:.3f} s | {mine['lower']:.3f} s | **{mine['total']:.3f} s** "
+            f"| {mine['validate_lowered']:.3f} s | {torch_cell} | {ratio} |"
+        )
+    print()
+    print("Growth from 32 × 2 × 256 to 64 × 2 × 512 (4× the actions; linear ≈ 4×):")
+    for name in dict.fromkeys(n for n, _, _ in CONFIGS):
+        small, large = [r for r in rows if r[0] == name]
+        line = f"- {name}: ours {large[3]['total'] / small[3]['total']:.1f}×"
+        line += f" (validate lowered {large[3]['validate_lowered'] / small[3]['validate_lowered']:.1f}×)"
+        if small[4] is not None and large[4] is not None:
+            line += f", torch {large[4] / small[4]:.1f}×"
+        print(line)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""``pipetrain simulate`` and ``compare``: how long, how idle, how much memory, and pictures."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from pipetrain.cli.common import add_size_arguments, schedule_from_args
+from pipetrain.plan.costs import Costs
+from pipetrain.plan.errors import ScheduleError
+from pipetrain.plan.generators import build_schedule, schedule_names
+from pipetrain.plan.schedule import Schedule
+from pipetrain.plan.simulate import SimResult, simulate
+
+_COSTS_HELP = (
+    "durations and latency, e.g. f=1,b=2,i=1,w=1,comm=0 (per-stage values with ':', e.g. f=2:1:1:2; "
+    "also overlap=0..1 for F&B pairs, bytes=... per activation)"
+)
+
+
+def register(subparsers: Any) -> None:
+    names = ", ".join(schedule_names())
+    sim = subparsers.add_parser("simulate", help="simulate a schedule: makespan, bubble, memory, timeline picture")
+    sim.add_argument("schedule", help=f"schedule name ({names}) or a .csv/.json file")
+    add_size_arguments(sim, required=False)
+    sim.add_argument("--costs", default="", metavar="SPEC", help=_COSTS_HELP)
+    sim.add_argument("--lowered", action="store_true", help="simulate the lowered schedule (with SEND/RECV)")
+    sim.add_argument("--png", metavar="FILE", help="write the timeline picture as PNG")
+    sim.add_argument("--svg", metavar="FILE", help="write the timeline picture as SVG")
+    sim.add_argument("--trace", metavar="FILE", help="write a Chrome trace (Perfetto, chrome://tracing)")
+    sim.add_argument("--grid", action="store_true", help="print a text grid aligned to simulated time")
+    sim.add_argument("--json", action="store_true", help="print the result summary as JSON on stdout")
+    sim.set_defaults(func=_simulate)
+
+    cmp = subparsers.add_parser("compare", help="simulate every schedule that accepts the sizes, one row each")
+    add_size_arguments(cmp, required=True)
+    cmp.add_argument(
+        "--costs",
+        default="",
+        metavar="SPEC",
+        help=_COSTS_HELP + "; costs are for one rank's share of the model (a schedule with V stages "
+        "per rank gets costs/V per stage, so every row runs the same model)",
+    )
+    cmp.add_argument("--png", metavar="FILE", help="write one picture stacking every schedule's timeline")
+    cmp.add_argument("--json", action="store_true", help="print the rows as JSON on stdout")
+    cmp.set_defaults(func=_compare)
+
+
+def _costs(text: str) -> Costs:
+    return Costs.parse(text) if text else Costs()
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    schedule = schedule_from_args(args.schedule, args)
+    if args.lowered and not schedule.is_lowered:
+        schedule = schedule.lower()
+    result = simulate(schedule, _costs(args.costs))
+    _write_pictures(result, args.png, args.svg, args.trace)
+    if args.json:
+        print(json.dumps(result.summary(), indent=1))
+        return 0
+    print(_describe(result))
+    if args.grid:
+        from pipetrain.plan.render import format_time_grid
+
+        print(format_time_grid(result.timeline))
+    for label, path in (("timeline", args.png), ("timeline", args.svg), ("trace", args.trace)):
+        if path:
+            print(f"wrote {label} {path}")
+    return 0
+
+
+def _write_pictures(result: SimResult, png: str | None, svg: str | None, trace: str | None) -> None:
+    if png or svg:
+        from pipetrain.plan.render import render_timeline
+
+        for path in (png, svg):
+            if path:
+                render_timeline(result.timeline, path)
+    if trace:
+        from pipetrain.plan.trace import write_chrome_trace
+
+        write_chrome_trace(result.timeline, trace)
+
+
+def _describe(r: SimResult) -> str:
+    lines = [
+        r.title,
+        f"costs: {r.costs}{' (lowered schedule)' if r.lowered else ''}",
+        f"makespan {r.makespan:g} (lower bound {r.lower_bound:g}), bubble {100 * r.bubble:.1f}%",
+        f"{'rank':>4}  {'busy':>8}  {'idle':>8}  {'peak act.':>9}  {'at time':>8}",
+    ]
+    for rank in range(r.num_ranks):
+        lines.append(
+            f"{rank:>4}  {r.busy[rank]:>8g}  {r.idle[rank]:>8g}  {r.peak_memory[rank]:>9}  {r.peak_memory_time[rank]:>8g}"
+        )
+    if r.peak_memory_bytes is not None:
+        lines.append("peak bytes per rank: " + ", ".join(f"{r.peak_memory_bytes[k]:g}" for k in range(r.num_ranks)))
+    return "\n".join(lines)
+
+
+def _scaled(costs: Costs, stages_per_rank: int) -> Costs:
+    """The same model cut into ``stages_per_rank`` times as many stages: each stage costs 1/V."""
+    if stages_per_rank == 1:
+        return costs
+
+    def div(v: Any) -> Any:
+        if v is None:
+            return None
+        return v / stages_per_rank if isinstance(v, float) else tuple(x / stages_per_rank for x in v)
+
+    return Costs(
+        f=div(costs.f),
+        b=div(costs.b),
+        i=div(costs.i),
+        w=div(costs.w),
+        comm=costs.comm,
+        overlap=costs.overlap,
+        send=costs.send,
+        recv=costs.recv,
+        unshard=costs.unshard,
+        reshard=costs.reshard,
+        reduce_grad=costs.reduce_grad,
+        activation_bytes=div(costs.activation_bytes),
+    )
+
+
+def compare_rows(
+    num_ranks: int, num_microbatches: int, stages_per_rank: int | None, costs: Costs
+) -> tuple[list[dict[str, Any]], list[SimResult]]:
+    """One row per schedule that accepts the sizes (the data behind ``pipetrain compare``)."""
+    rows: list[dict[str, Any]] = []
+    results: list[SimResult] = []
+    for name in schedule_names():
+        try:
+            schedule = build_schedule(name, num_ranks, num_microbatches, stages_per_rank)
+        except ScheduleError:
+            continue
+        v = schedule.num_stages // num_ranks if schedule.num_stages % num_ranks == 0 else 1
+        per_stage = any(not isinstance(x, float) for x in (costs.f, costs.b, costs.i, costs.w))
+        try:
+            # per-stage costs describe the stages as they are; plain numbers a rank's share
+            result = simulate(schedule, costs if per_stage else _scaled(costs, v))
+        except ScheduleError as err:
+            rows.append({"schedule": name, "error": str(err)})
+            continue
+        results.append(result)
+        rows.append(
+            {
+                "schedule": name,
+                "stages": schedule.num_stages,
+                "makespan": result.makespan,
+                "bubble": result.bubble,
+                "peak_activations": [result.peak_memory[r] for r in range(num_ranks)],
+                "peak_activations_model_share": max(result.peak_memory.values()) / v,
+                "sends": _count_sends(schedule),
+            }
+        )
+    base = next((r for r in rows if r["schedule"] == "1F1B" and "makespan" in r), None)
+    for row in rows:
+        if base is not None and "makespan" in row and base["makespan"] > 0:
+            row["vs_1f1b"] = row["makespan"] / base["makespan"]
+    return rows, results
+
+
+def _count_sends(schedule: Schedule) -> int | None:
+    try:
+        low = schedule.lower()
+    except (ScheduleError, ImportError):
+        return None
+    return sum(1 for a in low.iter_actions() if a is not None and a.kind.value in ("SEND_F", "SEND_B"))
+
+
+def _compare(args: argparse.Namespace) -> int:
+    costs = _costs(args.costs)
+    rows, results = compare_rows(args.ranks, args.microbatches, args.stages_per_rank, costs)
+    if not rows:
+        raise ScheduleError(
+            f"no schedule accepts {args.ranks} ranks, {args.microbatches} microbatches"
+            + (f", {args.stages_per_rank} stages per rank" if args.stages_per_rank else "")
+        )
+    if args.png:
+        from pipetrain.plan.render import render_timelines
+
+        render_timelines([r.timeline for r in results], args.png)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    print(
+        f"{args.ranks} ranks, {args.microbatches} microbatches, costs {costs} per rank's share of the model"
+        + (f", {args.stages_per_rank} stages per rank" if args.stages_per_rank else "")
+    )
+    print(format_compare_table(rows))
+    if args.png:
+        print(f"wrote {args.png}")
+    return 0
+
+
+def format_compare_table(rows: list[dict[str, Any]]) -> str:
+    """A Markdown table of ``compare_rows`` output."""
+    header = (
+        "| schedule | stages | makespan | bubble | vs 1F1B | peak activations per rank | peak (× 1F1B stage) | sends |"
+    )
+    lines = [header, "|---|---:|---:|---:|---:|---|---:|---:|"]
+    for row in rows:
+        if "error" in row:
+            lines.append(f"| {row['schedule']} | | | | | {row['error']} | | |")
+            continue
+        ratio = f"{row['vs_1f1b']:.2f}" if "vs_1f1b" in row else ""
+        sends = "" if row["sends"] is None else str(row["sends"])
+        peaks = " ".join(str(x) for x in row["peak_activations"])
+        lines.append(
+            f"| {row['schedule']} | {row['stages']} | {row['makespan']:g} | {100 * row['bubble']:.1f}% | {ratio} "
+            f"| {peaks} | {row['peak_activations_model_share']:g} | {sends} |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,267 @@
+"""Timeline pictures (PNG/SVG through matplotlib) and a text grid aligned to time.
+
+One row per rank, one box per action coloured by kind (a darker shade for a rank's later
+stages, as in the Zero Bubble and DualPipe figures), the microbatch number inside a box when it
+fits, bubbles left empty, SEND/RECV in a thin lane under each row. Simulated and measured
+timelines draw the same way; several can be stacked on one time axis to compare them.
+matplotlib is imported only inside the drawing functions, so planning works without it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from pipetrain.plan.timeline import Timeline, TimelineEvent
+
+__all__ = ["KIND_COLOURS", "format_time_grid", "render_timeline", "render_timelines"]
+
+KIND_COLOURS: dict[str, str] = {
+    "F": "#4C8BD6",  # forward: blue
+    "B": "#E0703A",  # full backward: orange
+    "I": "#F2A93B",  # input-gradient backward: amber
+    "W": "#5DB55A",  # weight-gradient backward: green
+    "OVERLAP_F_B": "#9467BD",  # overlapped forward + backward: purple
+    "SEND_F": "#9E9E9E",
+    "RECV_F": "#C4C4C4",
+    "SEND_B": "#9E9E9E",
+    "RECV_B": "#C4C4C4",
+    "UNSHARD": "#7F7F7F",
+    "RESHARD": "#7F7F7F",
+    "REDUCE_GRAD": "#7F7F7F",
+}
+_LEGEND = {
+    "F": "F forward",
+    "B": "B backward",
+    "I": "I input grad",
+    "W": "W weight grad",
+    "OVERLAP_F_B": "F&B overlapped",
+}
+_COMPUTE = frozenset({"F", "B", "I", "W", "OVERLAP_F_B"})
+_COMM = frozenset({"SEND_F", "RECV_F", "SEND_B", "RECV_B"})
+
+
+def _shade(colour: str, chunk: int) -> str:
+    """The kind's colour, darker for a rank's second stage, lighter for its third, and so on."""
+    r, g, b = (int(colour[k : k + 2], 16) for k in (1, 3, 5))
+    if chunk == 0:
+        return colour
+    if chunk % 2 == 1:
+        f = 0.62 ** ((chunk + 1) // 2)
+        r, g, b = (int(c * f) for c in (r, g, b))
+    else:
+        f = 0.45 ** (chunk // 2)
+        r, g, b = (int(255 - (255 - c) * f) for c in (r, g, b))
+    return f"#{r:02x}{g:02x}{b:02x}"
+
+
+def _chunks(timeline: Timeline) -> dict[tuple[int, int], int]:
+    """(rank, stage) -> position of the stage among the rank's stages (0 = its first)."""
+    per_rank: dict[int, set[int]] = {}
+    for e in timeline.events:
+        if e.kind in _COMPUTE:
+            per_rank.setdefault(e.rank, set()).add(e.stage)
+    return {(r, s): k for r, stages in per_rank.items() for k, s in enumerate(sorted(stages))}
+
+
+def _label(e: TimelineEvent) -> str:
+    if e.kind == "OVERLAP_F_B":
+        inner = e.action[1 : e.action.rfind(")")]
+        return "|".join(part.lstrip("0123456789")[1:] or part for part in inner.split(";"))
+    return "" if e.microbatch is None else str(e.microbatch)
+
+
+def _unit_label(timeline: Timeline) -> str:
+    return f"time ({timeline.unit})" if timeline.unit else "time (cost-model units)"
+
+
+def _kinds(timeline: Timeline) -> set[str]:
+    """Legend keys of what a timeline shows: compute kinds, "comm", "other"."""
+    out: set[str] = set()
+    for e in timeline.events:
+        if e.kind in _COMPUTE:
+            out.add(e.kind)
+        elif e.kind in _COMM:
+            if e.end > e.start:
+                out.add("comm")
+        elif e.end > e.start:
+            out.add("other")
+    return out
+
+
+def _draw(ax: Any, timeline: Timeline, *, x_max: float, px_per_unit: float, fontsize: float) -> None:
+    """Draw one timeline into ``ax``."""
+    from matplotlib.patches import Rectangle
+
+    t0 = timeline.start
+    chunks = _chunks(timeline)
+    has_comm = any(e.kind in _COMM for e in timeline.events)
+    box_bottom, box_top = (0.30, 0.95) if has_comm else (0.08, 0.92)
+    char_px = fontsize * 0.62 * ax.figure.dpi / 72
+    for e in timeline.events:
+        y = timeline.num_ranks - 1 - e.rank  # rank 0 on top
+        start, width = e.start - t0, max(e.end - e.start, 0.0)
+        if e.kind in _COMPUTE:
+            colour = _shade(KIND_COLOURS.get(e.kind, "#777777"), chunks.get((e.rank, e.stage), 0))
+            ax.add_patch(
+                Rectangle(
+                    (start, y + box_bottom),
+                    width,
+                    box_top - box_bottom,
+                    facecolor=colour,
+                    edgecolor="white",
+                    linewidth=0.6,
+                )
+            )
+            label = _label(e)
+            if label and width * px_per_unit >= char_px * (len(label) + 0.6):
+                dark = chunks.get((e.rank, e.stage), 0) % 2 == 1 or e.kind == "OVERLAP_F_B"
+                ax.text(
+                    start + width / 2,
+                    y + (box_bottom + box_top) / 2,
+                    label,
+                    ha="center",
+                    va="center",
+                    fontsize=fontsize,
+                    color="white" if dark else "#1A1A1A",
+                    clip_on=True,
+                )
+        elif e.kind in _COMM:
+            if width <= 0:
+                continue
+            lane = 0.04 if e.kind.startswith("SEND") else 0.15
+            ax.add_patch(
+                Rectangle((start, y + lane), width, 0.09, facecolor=KIND_COLOURS[e.kind], edgecolor="none", alpha=0.6)
+            )
+        elif width > 0:
+            ax.add_patch(Rectangle((start, y + box_bottom), width, box_top - box_bottom, facecolor="#7F7F7F"))
+    ax.set_xlim(0, x_max)
+    ax.set_ylim(0, timeline.num_ranks)
+    ax.set_yticks([timeline.num_ranks - 1 - r + 0.5 for r in range(timeline.num_ranks)])
+    ax.set_yticklabels([f"rank {r}" for r in range(timeline.num_ranks)], fontsize=max(fontsize, 8))
+    ax.tick_params(axis="y", length=0)
+    for r in range(1, timeline.num_ranks):
+        ax.axhline(r, color="#E3E3E3", linewidth=0.6, zorder=0)
+    ax.set_facecolor("#FFFFFF")
+    for side in ("top", "right", "left"):
+        ax.spines[side].set_visible(False)
+    ax.set_xlabel(_unit_label(timeline), fontsize=9)
+    if timeline.title:
+        ax.set_title(timeline.title, fontsize=10.5, loc="left")
+
+
+def _most_compute_steps(timeline: Timeline) -> int:
+    counts: dict[int, int] = {}
+    for e in timeline.events:
+        if e.kind in _COMPUTE:
+            counts[e.rank] = counts.get(e.rank, 0) + 1
+    return max(counts.values(), default=1)
+
+
+def _legend_handles(kinds: set[str], multi_stage: bool) -> list[Any]:
+    from matplotlib.patches import Patch
+
+    handles = [Patch(facecolor=KIND_COLOURS[k], label=label) for k, label in _LEGEND.items() if k in kinds]
+    if multi_stage:
+        handles.append(Patch(facecolor=_shade(KIND_COLOURS["F"], 1), label="darker: rank's 2nd stage"))
+    if "comm" in kinds:
+        handles.append(Patch(facecolor=KIND_COLOURS["SEND_F"], alpha=0.6, label="SEND / RECV in flight"))
+    if "other" in kinds:
+        handles.append(Patch(facecolor="#7F7F7F", label="UNSHARD / RESHARD / REDUCE_GRAD"))
+    handles.append(Patch(facecolor="white", edgecolor="#BBBBBB", label="idle (bubble)"))
+    return handles
+
+
+def render_timelines(
+    timelines: Sequence[Timeline],
+    path: str | os.PathLike[str],
+    *,
+    width: float | None = None,
+    dpi: int = 150,
+    share_time_axis: bool = True,
+) -> None:
+    """Draw several timelines stacked (e.g. measured over simulated, or every schedule).
+
+    With ``share_time_axis`` all use one time scale, so lengths compare at a glance; the
+    format (PNG, SVG, PDF) follows the file extension.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    if not timelines:
+        raise ValueError("render_timelines needs at least one timeline")
+    spans = [max(t.makespan, 1e-12) for t in timelines]
+    most_steps = max(_most_compute_steps(t) for t in timelines)
+    fig_w = width if width is not None else min(max(10.0, 0.2 * most_steps + 2.5), 20.0)
+    heights = [0.42 * t.num_ranks + 0.9 for t in timelines]
+    multi_stage = any(k > 0 for t in timelines for k in _chunks(t).values())
+    handles = _legend_handles(set().union(*(_kinds(t) for t in timelines)), multi_stage)
+    ncol = min(len(handles), max(3, int(fig_w / 2.1)))
+    legend_rows = math.ceil(len(handles) / ncol)
+    bottom = 0.55 + 0.22 * legend_rows
+    fig_h = sum(heights) + 0.45 + bottom
+    fig, axes = plt.subplots(
+        len(timelines), 1, figsize=(fig_w, fig_h), squeeze=False, gridspec_kw={"height_ratios": heights}
+    )
+    left, right = 0.07, 0.985
+    longest = max(spans)
+    for ax, t, span in zip(axes[:, 0], timelines, spans, strict=True):
+        x_max = longest if share_time_axis else span
+        px_per_unit = fig_w * (right - left) * dpi / x_max
+        fontsize = 8.0 if t.num_ranks <= 16 else 6.5
+        _draw(ax, t, x_max=x_max, px_per_unit=px_per_unit, fontsize=fontsize)
+    fig.subplots_adjust(left=left, right=right, top=1 - 0.45 / fig_h, bottom=bottom / fig_h, hspace=0.9 / max(heights))
+    fig.legend(handles=handles, loc="lower center", ncol=ncol, frameon=False, fontsize=8.5)
+    fig.savefig(os.fspath(path), dpi=dpi)
+    plt.close(fig)
+
+
+def render_timeline(
+    timeline: Timeline, path: str | os.PathLike[str], *, width: float | None = None, dpi: int = 150
+) -> None:
+    """Draw one timeline to ``path`` (PNG, SVG or PDF by extension)."""
+    render_timelines([timeline], path, width=width, dpi=dpi)
+
+
+def format_time_grid(timeline: Timeline, *, tick: float | None = None, max_columns: int = 400) -> str:
+    """A text grid aligned to time: one row per rank, one column per ``tick`` of time.
+
+    An action fills the columns it runs in: its label in the first, ``-`` after; ``.`` is
+    idle. ``tick`` defaults to the shortest compute action (so F=1, B=2 gives one column per
+    unit). SEND/RECV are not drawn (they run in the background).
+    """
+    compute = [e for e in timeline.events if e.kind in _COMPUTE or (e.kind not in _COMM and e.end > e.start)]
+    if not compute:
+        return "(empty timeline)"
+    t0 = timeline.start
+    if tick is None:
+        positive = [e.end - e.start for e in compute if e.end > e.start]
+        tick = min(positive) if positive else 1.0
+    span = max(e.end for e in compute) - t0
+    columns = math.ceil(span / tick - 1e-9)
+    if columns > max_columns:
+        tick = span / max_columns
+        columns = max_columns
+    labels = [e.action for e in compute]
+    width = max(len(s) for s in labels) + 1
+    grid = [["." * (width - 1) + " " for _ in range(columns)] for _ in range(timeline.num_ranks)]
+    for e in compute:
+        first = round((e.start - t0) / tick)
+        last = max(first + 1, round((e.end - t0) / tick))
+        row = grid[e.rank]
+        for c in range(first, min(last, columns)):
+            row[c] = (e.action if c == first else "-" * (width - 1)).ljust(width - 1) + " "
+    unit = timeline.unit or "units"
+    header = ""
+    for c in range(columns):  # a time label where it fits, blank where the last one still runs
+        if len(header) <= c * width:
+            header = header.ljust(c * width) + f"{c * tick:.4g} "
+    name_w = len(f"rank {timeline.num_ranks - 1}") + 2
+    lines = [f"{'t/' + unit:<{name_w}}" + header.rstrip()]
+    for rank in range(timeline.num_ranks):
+        lines.append(f"{'rank ' + str(rank):<{name_w}}" + "".join(grid[rank]).rstrip())
+    return "\n".join(lines)

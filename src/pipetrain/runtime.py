@@ -1,0 +1,678 @@
+"""The one executor: runs a lowered :class:`~pipetrain.plan.Schedule` action by action.
+
+Every schedule class is only a way to build a ``Schedule``; what happens at run time is decided
+here once, for all of them. The executor makes no scheduling decision: it walks this rank's
+program, posts sends and receives where the program says so (a run of consecutive SEND/RECV
+actions is one batch), waits for received data only right before a compute action uses it, and
+completes all sends by the end of the step.
+
+``_Program`` holds one rank's per-step state and is written as a generator that yields whenever
+it needs data that has not arrived. Over ``torch.distributed`` waiting blocks (so it never
+yields); :class:`~pipetrain.local.LocalPipeline` interleaves the generators of all ranks in one
+process instead.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Generator, Sequence
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_flatten, tree_map
+
+from pipetrain.errors import PipelineError
+from pipetrain.microbatch import merge_chunks, split_args_kwargs_into_chunks, split_into_chunks
+from pipetrain.plan import Action, ActionKind, Schedule, ScheduleError
+from pipetrain.plan.timeline import Timeline, TimelineEvent
+from pipetrain.stage import PipelineStage
+from pipetrain.transport import DistTransport, FailureChannel, RecvHandle, RecvItem, RemoteFailure, SendItem, Waiter
+
+__all__ = ["PipelineScheduleRuntime", "forward_only_schedule", "prepare_schedule"]
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+_K = ActionKind
+
+
+class Comm(Protocol):
+    """What the executor needs from a transport (distributed or in-process)."""
+
+    def post(self, items: list[SendItem | RecvItem]) -> list[RecvHandle]: ...
+    def ready(self, handle: RecvHandle) -> bool: ...
+    def take(self, handle: RecvHandle) -> Any: ...
+    def poll(self) -> None: ...
+    def finish(self) -> None: ...
+
+
+class _DistComm:
+    def __init__(self, transport: DistTransport) -> None:
+        self.transport = transport
+
+    def post(self, items: list[SendItem | RecvItem]) -> list[RecvHandle]:
+        return self.transport.post(items)
+
+    def ready(self, handle: RecvHandle) -> bool:
+        return True  # take() blocks
+
+    def take(self, handle: RecvHandle) -> Any:
+        return self.transport.wait(handle)
+
+    def poll(self) -> None:
+        self.transport.waiter.run_callbacks()
+
+    def finish(self) -> None:
+        self.transport.finish()
+
+
+def _as_inputs(obj: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A stage output as the next stage's inputs: a tuple is positional args, a dict keywords."""
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return obj, {}
+    if isinstance(obj, dict):
+        return (), dict(obj)
+    return (obj,), {}
+
+
+def _detach(obj: Any) -> Any:
+    return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, obj)
+
+
+def _grad_specs(obj: Any) -> list[tuple[torch.Size, torch.dtype]]:
+    leaves, _ = tree_flatten(obj)
+    return [(t.shape, t.dtype) for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+class _Program:
+    """One rank's program for one step: the per-microbatch state between actions."""
+
+    def __init__(
+        self,
+        rank: int,
+        stages: dict[int, PipelineStage],
+        stage_to_rank: dict[int, int],
+        num_stages: int,
+        comm: Comm,
+    ) -> None:
+        self.rank = rank
+        self.stages = stages
+        self.stage_to_rank = stage_to_rank
+        self.num_stages = num_stages
+        self.comm = comm
+        self.action: Action | None = None
+        self.step_index = -1
+        self.events: list[tuple[Action, int, int]] = []
+        self._reset()
+
+    def _reset(self) -> None:
+        self.inputs: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
+        self.targets: list[Any] | None = None
+        self.fwd_local: dict[tuple[int, int], Any] = {}  # (stage, mb) -> input handed over in memory
+        self.bwd_local: dict[tuple[int, int], Any] = {}  # (stage, mb) -> output grads handed over in memory
+        self.to_send_f: dict[tuple[int, int], Any] = {}
+        self.to_send_b: dict[tuple[int, int], Any] = {}
+        self.recv_f: dict[tuple[int, int], RecvHandle] = {}
+        self.recv_b: dict[tuple[int, int], RecvHandle] = {}
+        self.out_specs: dict[tuple[int, int], list[tuple[torch.Size, torch.dtype]]] = {}
+        self.losses: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, Any] = {}
+
+    def where(self) -> str:
+        action = "" if self.action is None else f", action {self.action}"
+        return f"rank {self.rank}, step {self.step_index}{action}"
+
+    # --------------------------------------------------------------- running
+    def run(
+        self,
+        program: Sequence[Action | None],
+        *,
+        step_index: int,
+        inputs: list[tuple[tuple[Any, ...], dict[str, Any]]] | None,
+        targets: list[Any] | None,
+        loss_fn: LossFn | None,
+        loss_scale: float,
+        train: bool,
+        keep_outputs: bool,
+    ) -> Generator[None, None, None]:
+        """Execute ``program``; yields while waiting for data (in-process mode only)."""
+        self._reset()
+        self.step_index = step_index
+        self.events = []
+        self.inputs = dict(enumerate(inputs)) if inputs is not None else {}
+        self.targets = targets
+        self.loss_fn = loss_fn
+        self.loss_scale = loss_scale
+        self.train = train
+        self.keep_outputs = keep_outputs
+        profiling = torch.autograd.profiler._is_profiler_enabled
+        i = 0
+        n = len(program)
+        events = self.events
+        clock = time.perf_counter_ns
+        while i < n:
+            action = program[i]
+            if action is None:
+                i += 1
+                continue
+            self.action = action
+            if action.kind.is_comm:
+                j = i
+                while j < n and (program[j] is None or program[j].kind.is_comm):  # type: ignore[union-attr]
+                    j += 1
+                batch = [a for a in program[i:j] if a is not None]
+                t0 = clock()
+                with _label(profiling, batch):
+                    self._post(batch)
+                t1 = clock()
+                events.extend((a, t0, t1) for a in batch)
+                i = j
+                continue
+            self.comm.poll()
+            yield from self._wait_inputs(action)
+            t0 = clock()
+            # Grad mode is set per action, never across a yield (in-process ranks interleave).
+            with torch.set_grad_enabled(train):
+                if profiling:
+                    with torch.profiler.record_function(str(action)):
+                        self._compute(action)
+                else:
+                    self._compute(action)
+            events.append((action, t0, clock()))
+            i += 1
+        self.action = None
+
+    def _wait_inputs(self, action: Action) -> Generator[None, None, None]:
+        for part in action.parts:
+            handle = None
+            if part.kind is _K.F:
+                handle = self.recv_f.get((part.stage, part.microbatch))  # type: ignore[arg-type]
+            elif part.kind in (_K.B, _K.I):
+                handle = self.recv_b.get((part.stage, part.microbatch))  # type: ignore[arg-type]
+            if handle is not None:
+                while not self.comm.ready(handle):
+                    yield
+
+    def _post(self, batch: list[Action]) -> None:
+        items: list[SendItem | RecvItem] = []
+        recvs: list[tuple[dict[tuple[int, int], RecvHandle], tuple[int, int]]] = []
+        for action in batch:
+            s, m = action.stage, action.microbatch
+            assert m is not None
+            kind = action.kind
+            if kind is _K.SEND_F:
+                obj = self._pop(self.to_send_f, (s, m), action, "no forward output to send (did F run?)")
+                stage = self.stages[s]
+                done = (lambda st=stage, mb=m: st.free_output_storage(mb)) if self.train else None
+                items.append(SendItem(("F", s, m), self.stage_to_rank[s + 1], obj, f"{action}", done))
+            elif kind is _K.SEND_B:
+                obj = self._pop(self.to_send_b, (s, m), action, "no input gradient to send (did B or I run?)")
+                items.append(SendItem(("B", s, m), self.stage_to_rank[s - 1], obj, f"{action}"))
+            elif kind is _K.RECV_F:
+                items.append(
+                    RecvItem(("F", s - 1, m), self.stage_to_rank[s - 1], f"{action} (output of stage {s - 1})")
+                )
+                recvs.append((self.recv_f, (s, m)))
+            else:  # RECV_B
+                items.append(
+                    RecvItem(("B", s + 1, m), self.stage_to_rank[s + 1], f"{action} (gradient from stage {s + 1})")
+                )
+                recvs.append((self.recv_b, (s, m)))
+        handles = self.comm.post(items)
+        for (table, key), handle in zip(recvs, handles):
+            table[key] = handle
+
+    def _pop(self, table: dict[tuple[int, int], Any], key: tuple[int, int], action: Action, why: str) -> Any:
+        try:
+            return table.pop(key)
+        except KeyError:
+            raise PipelineError(f"{self.where()}: {why}") from None
+
+    def _stage(self, s: int) -> PipelineStage:
+        try:
+            return self.stages[s]
+        except KeyError:
+            raise PipelineError(f"{self.where()}: stage {s} is not held by rank {self.rank}") from None
+
+    # --------------------------------------------------------------- compute
+    def _compute(self, action: Action) -> None:
+        kind = action.kind
+        if kind is _K.OVERLAP_F_B:
+            for part in action.parts:
+                self._compute(part)
+        elif kind is _K.F:
+            self._forward(action.stage, action.microbatch)  # type: ignore[arg-type]
+        elif kind is _K.B or kind is _K.I:
+            self._backward(action.stage, action.microbatch, kind is _K.B)  # type: ignore[arg-type]
+        elif kind is _K.W:
+            self._stage(action.stage).backward_weight_one_chunk(action.microbatch)  # type: ignore[arg-type]
+        elif kind is _K.UNSHARD:
+            _unshard(self._stage(action.stage))
+        elif kind is _K.RESHARD:
+            _reshard(self._stage(action.stage))
+        elif kind is _K.REDUCE_GRAD:
+            _reduce_grad(self._stage(action.stage))
+        else:  # pragma: no cover - every kind is handled above
+            raise PipelineError(f"{self.where()}: cannot execute {kind.value}")
+
+    def _forward(self, s: int, m: int) -> None:
+        stage = self._stage(s)
+        if s == 0:
+            try:
+                args, kwargs = self.inputs.pop(m)
+            except KeyError:
+                raise PipelineError(
+                    f"{self.where()}: no input for microbatch {m} of stage 0; pass the inputs to step() on rank {self.rank}"
+                ) from None
+        elif (s, m) in self.fwd_local:
+            args, kwargs = _as_inputs(self.fwd_local.pop((s, m)))
+        else:
+            handle = self.recv_f.pop((s, m), None)
+            if handle is None:
+                raise PipelineError(
+                    f"{self.where()}: input of stage {s} for microbatch {m} was never received (no {s}RECV_F{m})"
+                )
+            args, kwargs = _as_inputs(self.comm.take(handle))
+        output = stage.forward_one_chunk(m, args, kwargs)
+        if s == self.num_stages - 1:
+            if self.loss_fn is not None:
+                assert self.targets is not None
+                loss = self.loss_fn(output, self.targets[m])
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                    raise PipelineError(f"{self.where()}: loss_fn must return a scalar tensor, got {loss!r}")
+                self.losses[m] = loss
+            if self.keep_outputs:
+                self.outputs[m] = _detach(output)
+            return
+        if self.train:
+            self.out_specs[(s, m)] = _grad_specs(output)
+        if self.stage_to_rank[s + 1] == self.rank:
+            self.fwd_local[(s + 1, m)] = output
+        else:
+            self.to_send_f[(s, m)] = output
+
+    def _backward(self, s: int, m: int, full: bool) -> None:
+        stage = self._stage(s)
+        if s == self.num_stages - 1:
+            loss = self.losses.get(m)
+            if loss is None:
+                raise PipelineError(
+                    f"{self.where()}: no loss for microbatch {m} (a backward needs loss_fn and a target)"
+                )
+            self.losses[m] = loss.detach()
+            grads = stage.backward_one_chunk(
+                m, loss=loss * self.loss_scale if self.loss_scale != 1.0 else loss, full=full
+            )
+        else:
+            if (s, m) in self.bwd_local:
+                grad_outputs = self.bwd_local.pop((s, m))
+            else:
+                handle = self.recv_b.pop((s, m), None)
+                if handle is None:
+                    raise PipelineError(
+                        f"{self.where()}: gradient for stage {s}'s output of microbatch {m} was never received (no {s}RECV_B{m})"
+                    )
+                grad_outputs = self.comm.take(handle)
+            self._check_grads(s, m, grad_outputs)
+            grads = stage.backward_one_chunk(m, grad_outputs=list(grad_outputs), full=full)
+        if s == 0:
+            return
+        if self.stage_to_rank[s - 1] == self.rank:
+            self.bwd_local[(s - 1, m)] = grads
+        else:
+            self.to_send_b[(s, m)] = grads
+
+    def _check_grads(self, s: int, m: int, grads: Sequence[torch.Tensor | None]) -> None:
+        specs = self.out_specs.pop((s, m), None)
+        if specs is None:
+            return
+        if len(grads) != len(specs):
+            raise PipelineError(
+                f"{self.where()}: stage {s + 1} sent {len(grads)} input gradients for microbatch {m}, but stage {s} "
+                f"produced {len(specs)} outputs that need a gradient"
+            )
+        for i, (grad, (shape, dtype)) in enumerate(zip(grads, specs)):
+            if grad is not None and (grad.shape != shape or grad.dtype != dtype):
+                raise PipelineError(
+                    f"{self.where()}: stage {s} output {i} of microbatch {m} is {dtype} {list(shape)}, but stage {s + 1} "
+                    f"received it as {grad.dtype} {list(grad.shape)} (its input gradient has that shape)"
+                )
+
+    def clear(self) -> None:
+        self._reset()
+        for stage in self.stages.values():
+            stage.clear()
+
+
+class _label:
+    """``record_function`` for a batch of comm actions, only while a profiler is running."""
+
+    def __init__(self, profiling: bool, batch: list[Action]) -> None:
+        self._ctx = torch.profiler.record_function(" ".join(str(a) for a in batch)) if profiling else None
+
+    def __enter__(self) -> None:
+        if self._ctx is not None:
+            self._ctx.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._ctx is not None:
+            self._ctx.__exit__(*exc)
+
+
+# ------------------------------------------------------------------- FSDP / DDP
+def _unshard(stage: PipelineStage) -> None:
+    module = stage.submodule
+    if hasattr(module, "unshard"):
+        module.unshard()
+
+
+def _reshard(stage: PipelineStage) -> None:
+    module = stage.submodule
+    if hasattr(module, "reshard"):
+        module.reshard()
+
+
+def _reduce_grad(stage: PipelineStage) -> None:
+    """Synchronise the gradients of a data-parallel stage once per step (see pipetrain.dp)."""
+    reduce = getattr(stage, "_pipetrain_reduce_grad", None)
+    if reduce is not None:
+        reduce()
+
+
+# ------------------------------------------------------------------- schedules
+def forward_only_schedule(schedule: Schedule) -> Schedule:
+    """The forwards of ``schedule`` in the order it runs them, for eval on any schedule."""
+    programs: dict[int, list[Action | None]] = {}
+    for rank in range(schedule.num_ranks):
+        programs[rank] = [
+            part
+            for action in schedule.actions[rank]
+            if action is not None
+            for part in action.parts
+            if part.kind is _K.F
+        ]
+    out = Schedule(
+        programs,
+        num_stages=schedule.num_stages,
+        num_microbatches=schedule.num_microbatches,
+        stage_to_rank=schedule.stage_to_rank,
+        name=f"{schedule.name} (forward only)".strip(),
+    )
+    try:
+        out.validate()
+    except ScheduleError:
+        # Fall back to every rank running its stages in order, breadth-first: always deadlock-free.
+        for rank in range(schedule.num_ranks):
+            programs[rank] = [
+                Action(s, _K.F, m) for s in schedule.stages_of(rank) for m in range(schedule.num_microbatches)
+            ]
+        out = out.replace(programs)
+    return out
+
+
+def prepare_schedule(schedule: Schedule, **lower_options: Any) -> Schedule:
+    """Validate (before any communication) and lower a compute-only schedule; check a lowered one."""
+    if not isinstance(schedule, Schedule):
+        raise PipelineError(f"expected a pipetrain.plan.Schedule, got {type(schedule).__name__}")
+    try:
+        if schedule.is_lowered:
+            schedule.validate()
+            return schedule
+        return schedule.lower(**lower_options)
+    except ScheduleError as err:
+        raise PipelineError(f"the schedule {schedule.name or ''} cannot run: {err}".replace("  ", " ")) from err
+
+
+# ------------------------------------------------------------------- the runtime
+class PipelineScheduleRuntime:
+    """Run any :class:`~pipetrain.plan.Schedule` on this rank's ``stages`` over ``torch.distributed``.
+
+    ``schedule`` may be compute-only (it is validated and lowered here, before any communication)
+    or already lowered. ``step`` trains (forward, loss on the last stage, backward); ``eval``
+    runs forward only, on every schedule. ``timeout`` bounds every wait for another rank; a failure
+    on any rank makes every rank raise within about ``poll_interval`` seconds.
+    """
+
+    def __init__(
+        self,
+        stages: PipelineStage | Sequence[PipelineStage],
+        schedule: Schedule,
+        loss_fn: LossFn | None = None,
+        scale_grads: bool = True,
+        args_chunk_spec: tuple[Any, ...] | None = None,
+        kwargs_chunk_spec: dict[str, Any] | None = None,
+        output_merge_spec: Any = None,
+        *,
+        timeout: float | timedelta = 300.0,
+        poll_interval: float = 0.05,
+        group: dist.ProcessGroup | None = None,
+        lower_options: dict[str, Any] | None = None,
+    ) -> None:
+        self._stage_list = [stages] if isinstance(stages, PipelineStage) else list(stages)
+        if not self._stage_list:
+            raise PipelineError("PipelineScheduleRuntime needs at least one PipelineStage")
+        self._loss_fn = loss_fn
+        self.scale_grads = scale_grads
+        self._args_chunk_spec = args_chunk_spec
+        self._kwargs_chunk_spec = kwargs_chunk_spec
+        self._output_merge_spec = output_merge_spec
+        self.timeout = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+        self.poll_interval = min(poll_interval, self.timeout)
+        self.group = group if group is not None else self._stage_list[0].group
+        self.rank, self.world = self._rank_and_world()
+        self.stages = {st.stage_index: st for st in self._stage_list}
+        self._lower_options = dict(lower_options or {})
+        self._failure = self._failure_channel()
+        try:
+            self.schedule = prepare_schedule(schedule, **self._lower_options)
+            self._check_stages(self.schedule)
+        except PipelineError as err:
+            self._report(f"rank {self.rank} failed while building the runtime: {err}")
+            raise
+        self.n_microbatches = self.schedule.num_microbatches
+        self._forward_only = not any(
+            p.kind is not _K.F for a in self.schedule.iter_actions() if a is not None and a.kind.is_compute for p in a.parts
+        )
+        self._eval_schedule: Schedule | None = None
+        self._waiter = self._new_waiter()
+        self._transport = DistTransport(self.group, self._stage_list[0].device, self._failure, self._waiter)  # type: ignore[arg-type]
+        self._program = _Program(
+            self.rank, self.stages, self.schedule.stage_to_rank, self.schedule.num_stages, _DistComm(self._transport)
+        )
+        self._step_count = 0
+        self.last_timeline: Timeline | None = None
+
+    # -------------------------------------------------------------- set-up
+    def _rank_and_world(self) -> tuple[int, int]:
+        if not dist.is_available() or not dist.is_initialized():
+            raise PipelineError(
+                "PipelineScheduleRuntime needs an initialised torch.distributed process group "
+                "(torchrun or dist.init_process_group); use LocalPipeline to run all stages in one process"
+            )
+        return dist.get_rank(self.group), dist.get_world_size(self.group)
+
+    def _failure_channel(self) -> FailureChannel | None:
+        try:
+            store = dist.distributed_c10d._get_default_store()
+        except (RuntimeError, ValueError):
+            return None
+        group = self.group if self.group is not None else dist.group.WORLD
+        name = getattr(group, "group_name", "world")
+        return FailureChannel(store, f"{name}", self.rank)
+
+    def _new_waiter(self) -> Waiter:
+        return Waiter(self._failure, self.timeout, self.poll_interval, self._where)
+
+    def _where(self) -> str:
+        return self._program.where() if hasattr(self, "_program") else f"rank {self.rank}"
+
+    def _report(self, message: str) -> None:
+        if self._failure is not None:
+            self._failure.report(message)
+
+    def _check_stages(self, schedule: Schedule) -> None:
+        if schedule.num_ranks != self.world:
+            raise PipelineError(
+                f"rank {self.rank}: the schedule has {schedule.num_ranks} ranks but the pipeline group has {self.world}"
+            )
+        expected = schedule.stages_of(self.rank)
+        given = sorted(self.stages)
+        if len(given) != len(self._stage_list):
+            raise PipelineError(f"rank {self.rank}: two stages given with the same stage_index ({given})")
+        if given != expected:
+            raise PipelineError(
+                f"rank {self.rank}: stages {given} were given, but the schedule {schedule.name!r} places stages "
+                f"{expected} on this rank (placement {schedule.stage_to_rank})"
+            )
+        for st in self._stage_list:
+            if st.num_stages != schedule.num_stages:
+                raise PipelineError(
+                    f"rank {self.rank}: stage {st.stage_index} was built with num_stages={st.num_stages}, "
+                    f"but the schedule has {schedule.num_stages} stages"
+                )
+
+    @property
+    def has_first_stage(self) -> bool:
+        return 0 in self.stages
+
+    @property
+    def has_last_stage(self) -> bool:
+        return self.schedule.num_stages - 1 in self.stages
+
+    # -------------------------------------------------------------- running
+    def step(
+        self,
+        *args: Any,
+        target: Any = None,
+        losses: list[Any] | None = None,
+        return_outputs: bool = True,
+        **kwargs: Any,
+    ) -> Any:
+        """One training step (forward only when the runtime has no ``loss_fn``)."""
+        if self._loss_fn is None:
+            return self._run(self._forward_schedule(), args, kwargs, None, None, return_outputs, train=False)
+        # A forward-only schedule with a loss_fn computes losses (e.g. validation) without autograd.
+        return self._run(self.schedule, args, kwargs, target, losses, return_outputs, train=not self._forward_only)
+
+    def eval(self, *args: Any, **kwargs: Any) -> Any:
+        """Forward only, under ``torch.no_grad()``, on any schedule; the merged output on the last rank."""
+        return self._run(self._forward_schedule(), args, kwargs, None, None, True, train=False)
+
+    def _forward_schedule(self) -> Schedule:
+        if self._eval_schedule is None:
+            self._eval_schedule = prepare_schedule(forward_only_schedule(self.schedule))
+        return self._eval_schedule
+
+    def _run(
+        self,
+        schedule: Schedule,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        target: Any,
+        losses: list[Any] | None,
+        return_outputs: bool,
+        *,
+        train: bool,
+    ) -> Any:
+        step_index = self._step_count
+        self._step_count += 1
+        program = self._program
+        program.step_index = step_index
+        program.action = None
+        n = self.n_microbatches
+        t_start = time.perf_counter_ns()
+        try:
+            inputs = self._split_inputs(args, kwargs)
+            targets = self._split_target(target, train)
+            gen = program.run(
+                schedule.actions[self.rank],
+                step_index=step_index,
+                inputs=inputs,
+                targets=targets,
+                loss_fn=self._loss_fn if targets is not None else None,
+                loss_scale=1.0 / n if self.scale_grads else 1.0,
+                train=train,
+                keep_outputs=return_outputs or not train,
+            )
+            for _ in gen:  # pragma: no cover - distributed waits block instead of yielding
+                pass
+            self._transport.finish()
+            result = self._finish(program, losses, return_outputs or not train)
+        except BaseException as exc:
+            self._fail(program, exc)
+            raise AssertionError("unreachable") from exc  # _fail always raises
+        finally:
+            self.last_timeline = self._timeline(program, t_start, schedule)
+            program.clear()
+        return result
+
+    def _split_inputs(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> list[tuple[tuple[Any, ...], dict[str, Any]]] | None:
+        if not self.has_first_stage:
+            return None
+        if not args and not kwargs:
+            raise PipelineError(f"rank {self.rank}: holds stage 0 but step() was given no inputs")
+        a, k = split_args_kwargs_into_chunks(
+            args, kwargs, self.n_microbatches, self._args_chunk_spec, self._kwargs_chunk_spec
+        )
+        return list(zip(a, k))
+
+    def _split_target(self, target: Any, train: bool) -> list[Any] | None:
+        if not self.has_last_stage or self._loss_fn is None or (not train and target is None):
+            return None
+        if target is None:
+            raise PipelineError(
+                f"rank {self.rank}: holds the last stage ({self.schedule.num_stages - 1}) and loss_fn is set, "
+                "but step() got no target"
+            )
+        return split_into_chunks(target, self.n_microbatches, None, "target")
+
+    def _finish(self, program: _Program, losses: list[Any] | None, want_output: bool) -> Any:
+        if not self.has_last_stage:
+            return None
+        if losses is not None and program.losses:
+            losses.clear()
+            losses.extend(program.losses[m] for m in sorted(program.losses))
+        if want_output and program.outputs:
+            return merge_chunks([program.outputs[m] for m in sorted(program.outputs)], self._output_merge_spec)
+        return None
+
+    def _fail(self, program: _Program, exc: BaseException) -> None:
+        where = program.where()
+        remote = isinstance(exc, RemoteFailure)
+        if isinstance(exc, PipelineError):
+            message = str(exc) if str(exc).startswith("rank ") else f"{where}: {exc}"
+        else:
+            message = f"{where}: {type(exc).__name__}: {exc}"
+        if not remote:
+            self._report(message if message.startswith("rank ") else f"rank {self.rank}: {message}")
+        # Pending operations can never complete now: start afresh (the parked threads stay asleep).
+        self._transport.reset()
+        self._waiter.close()
+        self._waiter = self._new_waiter()
+        self._transport.waiter = self._waiter
+        if isinstance(exc, PipelineError) and message == str(exc):
+            raise exc
+        raise PipelineError(message) from exc
+
+    def _timeline(self, program: _Program, t_start: int, schedule: Schedule) -> Timeline:
+        events = [
+            TimelineEvent(
+                rank=self.rank,
+                action=str(a),
+                kind=a.kind.value,
+                stage=a.stage,
+                microbatch=a.microbatch,
+                start=t0 / 1e9,
+                end=t1 / 1e9,
+            )
+            for a, t0, t1 in program.events
+        ]
+        return Timeline(
+            schedule.num_ranks,
+            events,
+            title=f"{schedule.name} step {program.step_index}, rank {self.rank}",
+            source="measured",
+            unit="s",
+        )

@@ -1,0 +1,164 @@
+"""torch.distributed.pipelining-compatible schedule classes.
+
+Each class only chooses which :class:`~pipetrain.plan.Schedule` to build; all of them run on the
+one executor, :class:`~pipetrain.runtime.PipelineScheduleRuntime`. Constructors take torch's
+arguments ``(stage_or_stages, n_microbatches, loss_fn=None, args_chunk_spec=None,
+kwargs_chunk_spec=None, output_merge_spec=None, scale_grads=True)``; extra keywords (``timeout``,
+``poll_interval``, ``lower_options``) go to the runtime.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch.distributed as dist
+
+from pipetrain.errors import PipelineError
+from pipetrain.plan import ScheduleError, build_schedule
+from pipetrain.runtime import LossFn, PipelineScheduleRuntime
+from pipetrain.stage import PipelineStage
+
+__all__ = [
+    "PipelineScheduleMulti",
+    "PipelineScheduleSingle",
+    "Schedule1F1B",
+    "ScheduleDualPipeV",
+    "ScheduleFlexibleInterleaved1F1B",
+    "ScheduleForwardOnly",
+    "ScheduleGPipe",
+    "ScheduleInterleaved1F1B",
+    "ScheduleInterleavedZeroBubble",
+    "ScheduleLoopedBFS",
+    "ScheduleZBH1",
+    "ScheduleZBH2",
+    "ScheduleZBVZeroBubble",
+    "get_schedule_class",
+]
+
+
+class PipelineScheduleMulti(PipelineScheduleRuntime):
+    """A named schedule with any number of stages per rank (a list of this rank's stages)."""
+
+    schedule_name: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        stages: PipelineStage | Sequence[PipelineStage],
+        n_microbatches: int,
+        loss_fn: LossFn | None = None,
+        args_chunk_spec: tuple[Any, ...] | None = None,
+        kwargs_chunk_spec: dict[str, Any] | None = None,
+        output_merge_spec: Any = None,
+        scale_grads: bool = True,
+        **options: Any,
+    ) -> None:
+        stage_list = [stages] if isinstance(stages, PipelineStage) else list(stages)
+        if not stage_list:
+            raise PipelineError(f"{type(self).__name__} needs at least one PipelineStage")
+        if not self.schedule_name:
+            raise PipelineError(f"{type(self).__name__} names no schedule; use a concrete class or PipelineScheduleRuntime")
+        group = options.get("group", stage_list[0].group)
+        if not dist.is_available() or not dist.is_initialized():
+            raise PipelineError(f"{type(self).__name__} needs an initialised torch.distributed process group")
+        num_ranks = dist.get_world_size(group)
+        try:
+            schedule = build_schedule(self.schedule_name, num_ranks, n_microbatches, len(stage_list))
+        except ScheduleError as err:
+            raise PipelineError(f"{type(self).__name__}: {err}") from err
+        super().__init__(
+            stage_list,
+            schedule,
+            loss_fn,
+            scale_grads,
+            args_chunk_spec,
+            kwargs_chunk_spec,
+            output_merge_spec,
+            **options,
+        )
+
+
+class PipelineScheduleSingle(PipelineScheduleMulti):
+    """A named schedule with exactly one stage per rank."""
+
+    def __init__(self, stage: PipelineStage | Sequence[PipelineStage], n_microbatches: int, *a: Any, **kw: Any) -> None:
+        stages = [stage] if isinstance(stage, PipelineStage) else list(stage)
+        if len(stages) != 1:
+            raise PipelineError(f"{type(self).__name__} runs one stage per rank, got {len(stages)}")
+        super().__init__(stages, n_microbatches, *a, **kw)
+
+
+class ScheduleGPipe(PipelineScheduleSingle):
+    schedule_name = "GPipe"
+
+
+class Schedule1F1B(PipelineScheduleSingle):
+    schedule_name = "1F1B"
+
+
+class ScheduleZBH1(PipelineScheduleSingle):
+    schedule_name = "ZBH1"
+
+
+class ScheduleZBH2(PipelineScheduleSingle):
+    schedule_name = "ZBH2"
+
+
+class ScheduleInterleaved1F1B(PipelineScheduleMulti):
+    schedule_name = "Interleaved1F1B"
+
+
+ScheduleFlexibleInterleaved1F1B = ScheduleInterleaved1F1B
+
+
+class ScheduleLoopedBFS(PipelineScheduleMulti):
+    schedule_name = "LoopedBFS"
+
+
+class ScheduleInterleavedZeroBubble(PipelineScheduleMulti):
+    schedule_name = "InterleavedZeroBubble"
+
+
+class ScheduleZBVZeroBubble(PipelineScheduleMulti):
+    schedule_name = "ZBVZeroBubble"
+
+
+class ScheduleDualPipeV(PipelineScheduleMulti):
+    schedule_name = "DualPipeV"
+
+
+class ScheduleForwardOnly(PipelineScheduleMulti):
+    schedule_name = "ForwardOnly"
+
+
+_CLASSES: dict[str, type[PipelineScheduleRuntime]] = {}
+for _cls in (
+    ScheduleGPipe,
+    Schedule1F1B,
+    ScheduleZBH1,
+    ScheduleZBH2,
+    ScheduleInterleaved1F1B,
+    ScheduleLoopedBFS,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+    ScheduleDualPipeV,
+    ScheduleForwardOnly,
+):
+    _CLASSES[_cls.schedule_name.lower()] = _cls
+    _CLASSES[_cls.__name__.lower()] = _cls
+_CLASSES["flexibleinterleaved1f1b"] = ScheduleInterleaved1F1B
+_CLASSES["scheduleflexibleinterleaved1f1b"] = ScheduleInterleaved1F1B
+_CLASSES["pipelineschedulesingle"] = PipelineScheduleSingle
+_CLASSES["pipelineschedulemulti"] = PipelineScheduleMulti
+_CLASSES["pipelineScheduleRuntime".lower()] = PipelineScheduleRuntime
+
+
+def get_schedule_class(schedule_name: str) -> type[PipelineScheduleRuntime]:
+    """The class for a schedule name, case-insensitively, with torch's names ("1F1B", "ZBVZeroBubble", ...)."""
+    if not isinstance(schedule_name, str):
+        raise ValueError(f"a schedule name must be a string, not {type(schedule_name).__name__}")
+    cls = _CLASSES.get(schedule_name.strip().lower())
+    if cls is None:
+        known = sorted({c.schedule_name for c in _CLASSES.values() if getattr(c, "schedule_name", "")})
+        raise ValueError(f"unknown schedule {schedule_name!r}; known: {', '.join(known)}")
+    return cls

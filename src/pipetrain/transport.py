@@ -1,0 +1,427 @@
+"""Moving stage inputs, outputs and gradients between ranks.
+
+A message is any pytree of tensors and plain values (a tensor, a tuple, a dict, a list of
+gradients with ``None`` holes). Shapes, dtypes, ``requires_grad`` and structure travel with it,
+so shapes may change between steps and between microbatches:
+
+* Every message starts with a small int64 header. Both sides remember the layout of the last
+  message sent under the same key (source stage, direction, microbatch), so in the steady state
+  the receiver posts the payload receives together with the header, before the data is needed,
+  and no extra round trip happens.
+* When the layout changed (or on the first step) the header says so; the sender then also sends
+  zero-filled "dummy" tensors matching the remembered layout (so the receives posted early are
+  matched), the new layout as a byte string, and the tensors on a second tag. The receiver
+  resolves messages from one peer in posting order, so both tags stay matched first in, first out.
+
+``DistTransport`` uses ``torch.distributed`` point-to-point operations; receives are waited on
+only right before use and sends complete in the background (see :mod:`pipetrain._waiting`).
+``LocalTransport`` hands objects over in memory for :class:`pipetrain.local.LocalPipeline`.
+"""
+
+from __future__ import annotations
+
+import pickle
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from pipetrain.errors import PipelineError
+
+__all__ = ["DistTransport", "RemoteFailure", "FailureChannel", "Layout", "LocalTransport", "RecvHandle", "Waiter", "layout_of"]
+
+Key = Hashable
+_HEADER = 4  # [flag, layout bytes, 0, 0]
+_SAME, _NEW = 0, 1
+_TAG_STEADY, _TAG_NEW = 0, 1
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a receiver must know to rebuild a message: structure, plain values, tensor specs."""
+
+    spec: Any
+    plain: tuple[Any, ...]  # non-tensor leaves, in order; a tensor leaf is marked by _TENSOR
+    tensors: tuple[tuple[torch.dtype, tuple[int, ...], bool], ...]
+
+    def encode(self) -> torch.Tensor:
+        data = pickle.dumps((self.spec, self.plain, self.tensors), protocol=pickle.HIGHEST_PROTOCOL)
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+    @staticmethod
+    def decode(buf: torch.Tensor) -> Layout:
+        spec, plain, tensors = pickle.loads(bytes(buf.tolist()))
+        return Layout(spec, plain, tensors)
+
+
+class _TensorMark:
+    """Placeholder for a tensor leaf in ``Layout.plain``."""
+
+    def __repr__(self) -> str:
+        return "<tensor>"
+
+    def __reduce__(self) -> str:
+        return "_TENSOR"
+
+
+_TENSOR = _TensorMark()
+
+
+def layout_of(obj: Any) -> tuple[Layout, list[torch.Tensor]]:
+    """Split ``obj`` into its layout and its tensors (flatten order)."""
+    leaves, spec = tree_flatten(obj)
+    tensors: list[torch.Tensor] = []
+    plain: list[Any] = []
+    specs: list[tuple[torch.dtype, tuple[int, ...], bool]] = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            tensors.append(leaf)
+            plain.append(_TENSOR)
+            specs.append((leaf.dtype, tuple(leaf.shape), bool(leaf.requires_grad)))
+        else:
+            plain.append(leaf)
+    return Layout(spec, tuple(plain), tuple(specs)), tensors
+
+
+def rebuild(layout: Layout, tensors: list[torch.Tensor]) -> Any:
+    """Inverse of :func:`layout_of`; received tensors that needed grad become leaves needing grad."""
+    it = iter(tensors)
+    leaves: list[Any] = []
+    for value in layout.plain:
+        if value is _TENSOR:
+            leaves.append(next(it))
+        else:
+            leaves.append(value)
+    for t, (_, _, rg) in zip(tensors, layout.tensors):
+        if rg and t.is_floating_point():
+            t.requires_grad_(True)
+    return tree_unflatten(leaves, layout.spec)
+
+
+def _empty(layout: Layout, device: torch.device) -> list[torch.Tensor]:
+    return [torch.empty(shape, dtype=dtype, device=device) for dtype, shape, _ in layout.tensors]
+
+
+@dataclass
+class RecvHandle:
+    """A posted receive; ``DistTransport.wait`` turns it into the received object."""
+
+    key: Key
+    peer: int
+    what: str
+    header: torch.Tensor | None = None
+    works: list[Any] = field(default_factory=list)
+    cached: Layout | None = None
+    buffers: list[torch.Tensor] = field(default_factory=list)
+    resolved: bool = False
+    value: Any = None
+
+
+@dataclass
+class SendItem:
+    """One outgoing message, for :meth:`DistTransport.post`."""
+
+    key: Key
+    peer: int
+    obj: Any
+    what: str
+    on_done: Callable[[], None] | None = None
+
+
+@dataclass
+class RecvItem:
+    key: Key
+    peer: int
+    what: str
+
+
+class DistTransport:
+    """Point-to-point messages between the ranks of ``group`` (group ranks throughout)."""
+
+    def __init__(self, group: Any, device: torch.device, failure: FailureChannel, waiter: Waiter) -> None:
+        self.group = group
+        self.device = device
+        self.failure = failure
+        self.waiter = waiter
+        self._sent: dict[Key, Layout] = {}
+        self._received: dict[Key, Layout] = {}
+        self._unresolved: dict[int, deque[RecvHandle]] = {}
+
+    def _op(self, fn: Callable[..., Any], tensor: torch.Tensor, peer: int, tag: int) -> dist.P2POp:
+        return dist.P2POp(fn, tensor, group=self.group, tag=tag, group_peer=peer)
+
+    def post(self, items: list[SendItem | RecvItem]) -> list[RecvHandle]:
+        """Post the sends and receives of one run of consecutive SEND/RECV actions as one batch."""
+        ops: list[dist.P2POp] = []
+        handles: list[RecvHandle] = []
+        sends: list[tuple[int, int, SendItem, list[torch.Tensor]]] = []
+        for item in items:
+            if isinstance(item, SendItem):
+                start = len(ops)
+                keep = self._send_ops(item, ops)
+                sends.append((start, len(ops), item, keep))
+            else:
+                handles.append(self._recv_ops(item, ops))
+        works = dist.batch_isend_irecv(ops) if ops else []
+        for handle in handles:
+            handle.works = [works[i] for i in handle.works]
+        for start, end, item, keep in sends:
+            self.waiter.background(works[start:end], keep, item.on_done, f"{item.what} to rank {item.peer}")
+        return handles
+
+    def _send_ops(self, item: SendItem, ops: list[dist.P2POp]) -> list[torch.Tensor]:
+        layout, tensors = layout_of(item.obj)
+        tensors = [t.detach().contiguous() for t in tensors]
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        old = self._sent.get(item.key)
+        keep: list[torch.Tensor] = [header]
+        if old is not None and old.tensors == layout.tensors and old.spec == layout.spec and old.plain == layout.plain:
+            ops.append(self._op(dist.isend, header, item.peer, _TAG_STEADY))
+            ops.extend(self._op(dist.isend, t, item.peer, _TAG_STEADY) for t in tensors)
+            keep.extend(tensors)
+            return keep
+        encoded = layout.encode()
+        header[0] = _NEW
+        header[1] = encoded.numel()
+        ops.append(self._op(dist.isend, header, item.peer, _TAG_STEADY))
+        if old is not None:
+            dummies = [torch.zeros(shape, dtype=dtype, device=self.device) for dtype, shape, _ in old.tensors]
+            ops.extend(self._op(dist.isend, t, item.peer, _TAG_STEADY) for t in dummies)
+            keep.extend(dummies)
+        ops.append(self._op(dist.isend, encoded, item.peer, _TAG_NEW))
+        ops.extend(self._op(dist.isend, t, item.peer, _TAG_NEW) for t in tensors)
+        keep.append(encoded)
+        keep.extend(tensors)
+        self._sent[item.key] = layout
+        return keep
+
+    def _recv_ops(self, item: RecvItem, ops: list[dist.P2POp]) -> RecvHandle:
+        handle = RecvHandle(item.key, item.peer, item.what, header=torch.empty(_HEADER, dtype=torch.int64))
+        handle.cached = self._received.get(item.key)
+        index = [len(ops)]
+        ops.append(self._op(dist.irecv, handle.header, item.peer, _TAG_STEADY))
+        if handle.cached is not None:
+            handle.buffers = _empty(handle.cached, self.device)
+            for buf in handle.buffers:
+                index.append(len(ops))
+                ops.append(self._op(dist.irecv, buf, item.peer, _TAG_STEADY))
+        handle.works = index  # replaced by the Work objects once posted
+        self._unresolved.setdefault(item.peer, deque()).append(handle)
+        return handle
+
+    def wait(self, handle: RecvHandle) -> Any:
+        """The received object; blocks (watching for failures elsewhere) until it has arrived."""
+        queue = self._unresolved.get(handle.peer)
+        while not handle.resolved and queue:
+            self._resolve(queue.popleft())
+        value = handle.value
+        handle.value = None
+        return value
+
+    def _resolve(self, handle: RecvHandle) -> None:
+        header = handle.header
+        assert header is not None
+        # The early receives (header and remembered layout) complete either way: dummies match them.
+        self.waiter.wait(handle.works, f"{handle.what} from rank {handle.peer}")
+        if int(header[0]) == _SAME and handle.cached is not None:
+            layout, tensors = handle.cached, handle.buffers
+        else:
+            encoded = torch.empty(int(header[1]), dtype=torch.uint8)
+            self.waiter.wait([dist.irecv(encoded, group=self.group, group_src=handle.peer, tag=_TAG_NEW)], handle.what)
+            layout = Layout.decode(encoded)
+            tensors = _empty(layout, self.device)
+            ops = [self._op(dist.irecv, t, handle.peer, _TAG_NEW) for t in tensors]
+            if ops:
+                self.waiter.wait(dist.batch_isend_irecv(ops), f"{handle.what} from rank {handle.peer}")
+            self._received[handle.key] = layout
+        handle.value = rebuild(layout, tensors)
+        handle.resolved = True
+        handle.works = []
+        handle.buffers = []
+        handle.header = None
+
+    def finish(self) -> None:
+        """Block until every send of the step has completed (watching for failures)."""
+        self.waiter.drain()
+
+    def reset(self) -> None:
+        """Forget layouts and pending receives (after a failure both sides start afresh)."""
+        self._sent.clear()
+        self._received.clear()
+        self._unresolved.clear()
+
+
+class LocalTransport:
+    """In-process mailboxes for :class:`~pipetrain.local.LocalPipeline`: first in, first out per pair."""
+
+    def __init__(self) -> None:
+        self._boxes: dict[tuple[int, int], deque[Any]] = {}
+        self._posted: dict[tuple[int, int], deque[RecvHandle]] = {}
+
+    def send(self, src: int, dst: int, obj: Any) -> None:
+        layout, tensors = layout_of(obj)
+        tensors = [t.detach() for t in tensors]
+        box = self._boxes.setdefault((src, dst), deque())
+        box.append((layout, tensors))
+        self._match(src, dst)
+
+    def recv(self, src: int, dst: int, key: Key, what: str) -> RecvHandle:
+        handle = RecvHandle(key, src, what)
+        self._posted.setdefault((src, dst), deque()).append(handle)
+        self._match(src, dst)
+        return handle
+
+    def _match(self, src: int, dst: int) -> None:
+        box = self._boxes.get((src, dst))
+        posted = self._posted.get((src, dst))
+        while box and posted:
+            layout, tensors = box.popleft()
+            handle = posted.popleft()
+            handle.value = rebuild(layout, tensors)
+            handle.resolved = True
+
+    @staticmethod
+    def ready(handle: RecvHandle) -> bool:
+        return handle.resolved
+
+    def pending(self) -> int:
+        return sum(len(b) for b in self._boxes.values()) + sum(len(p) for p in self._posted.values())
+
+
+class RemoteFailure(PipelineError):
+    """This rank stopped because another rank failed (the message tells which, where and why)."""
+
+
+class FailureChannel:
+    """A side channel (a ``torch.distributed`` Store) where the first failing rank leaves its story.
+
+    Ranks waiting for data poll it, so a failure anywhere turns into an error everywhere instead
+    of a hang. Keys are namespaced per process group, so a fresh group starts clean.
+    """
+
+    def __init__(self, store: Any, namespace: str, rank: int) -> None:
+        self.store = store
+        self.rank = rank
+        self._count = f"pipetrain/{namespace}/failures"
+        self._message = f"pipetrain/{namespace}/failure"
+
+    def report(self, message: str) -> None:
+        """Record ``message`` unless another rank already reported a failure."""
+        try:
+            if self.store.add(self._count, 1) == 1:
+                self.store.set(self._message, message)
+        except Exception:  # the store may be gone when the job is torn down; the raise still happens
+            pass
+
+    def check(self) -> str | None:
+        try:
+            if self.store.check([self._message]):
+                return bytes(self.store.get(self._message)).decode()
+        except Exception:
+            return None
+        return None
+
+
+class _Job:
+    __slots__ = ("done", "error", "keep", "on_done", "what", "works")
+
+    def __init__(
+        self, works: list[Any], what: str, keep: Any = None, on_done: Callable[[], None] | None = None
+    ) -> None:
+        self.works = works
+        self.what = what
+        self.keep = keep
+        self.on_done = on_done
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+
+def _serve(jobs: queue.SimpleQueue[_Job | None], finished: deque[_Job] | None) -> None:
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        try:
+            for work in job.works:
+                work.wait()
+        except BaseException as err:  # reported by the thread that waits on job.done
+            job.error = err
+        job.keep = None
+        if finished is not None:
+            finished.append(job)
+        job.done.set()
+
+
+class Waiter:
+    """Waits on ``torch.distributed`` work without ever blocking past a failure elsewhere.
+
+    A gloo wait cannot be interrupted and a timed-out one breaks the connection, so the blocking
+    wait runs on a helper thread while the calling thread polls the failure channel and the
+    deadline. Sends are waited on by a second thread in the background; their completion
+    callbacks (freeing sent outputs) run on the caller's thread in :meth:`run_callbacks`.
+    """
+
+    def __init__(self, failure: FailureChannel | None, timeout: float, poll: float, where: Callable[[], str]) -> None:
+        self.failure = failure
+        self.timeout = timeout
+        self.poll = poll
+        self.where = where
+        self._fg: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._bg: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._finished: deque[_Job] = deque()
+        self._outstanding: deque[_Job] = deque()
+        for jobs, finished in ((self._fg, None), (self._bg, self._finished)):
+            threading.Thread(target=_serve, args=(jobs, finished), daemon=True, name="pipetrain-wait").start()
+
+    def wait(self, works: list[Any], what: str) -> None:
+        if not works:
+            return
+        job = _Job(works, what)
+        self._fg.put(job)
+        self._block(job)
+
+    def background(self, works: list[Any], keep: Any, on_done: Callable[[], None] | None, what: str) -> None:
+        job = _Job(works, what, keep, on_done)
+        self._outstanding.append(job)
+        self._bg.put(job)
+
+    def run_callbacks(self) -> None:
+        while self._finished:
+            job = self._finished.popleft()
+            if job.error is not None:
+                raise PipelineError(f"{self.where()}: sending {job.what} failed: {job.error}") from job.error
+            if job.on_done is not None:
+                job.on_done()
+
+    def drain(self) -> None:
+        while self._outstanding:
+            self._block(self._outstanding.popleft())
+        self.run_callbacks()
+
+    def _block(self, job: _Job) -> None:
+        deadline = time.monotonic() + self.timeout
+        while not job.done.wait(self.poll):
+            story = None if self.failure is None else self.failure.check()
+            if story is not None:
+                raise RemoteFailure(f"{self.where()}: stopped while waiting for {job.what} because {story}")
+            if time.monotonic() > deadline:
+                raise PipelineError(
+                    f"{self.where()}: timed out after {self.timeout:g} s waiting for {job.what} (no rank reported a failure)"
+                )
+        if job.error is not None:
+            story = None if self.failure is None else self.failure.check()
+            because = f" because {story}" if story else ""
+            kind = RemoteFailure if story else PipelineError
+            raise kind(f"{self.where()}: waiting for {job.what} failed{because}: {job.error}") from job.error
+
+    def close(self) -> None:
+        """Stop the helper threads once they are free (a thread stuck on a dead peer stays parked)."""
+        self._fg.put(None)
+        self._bg.put(None)

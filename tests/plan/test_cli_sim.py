@@ -1,0 +1,103 @@
+"""``pipetrain simulate`` and ``pipetrain compare``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipetrain.cli import main
+from pipetrain.cli.sim_cmds import compare_rows
+from pipetrain.plan.costs import Costs
+from pipetrain.plan.generators import build_schedule, schedule_names
+from pipetrain.plan.simulate import simulate
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_simulate_prints_summary(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "simulate", "1F1B", "--ranks", "4", "--microbatches", "8", "--costs", "f=1,b=2")
+    assert code == 0
+    assert "makespan 33 (lower bound 33), bubble 27.3%" in out
+    assert "   3        24         9          1" in out  # rank 3: busy, idle, peak activations
+
+
+def test_simulate_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(
+        capsys, "simulate", "zbvzerobubble", "-p", "4", "-m", "8", "--costs", "f=1,i=1,w=1,comm=0.5", "--json"
+    )
+    assert code == 0
+    data = json.loads(out)
+    expect = simulate(build_schedule("ZBVZeroBubble", 4, 8), Costs(f=1, i=1, w=1, comm=0.5))
+    assert data["makespan"] == expect.makespan
+    assert data["peak_memory"] == {str(r): v for r, v in expect.peak_memory.items()}
+    assert data["schedule"] == "ZBVZeroBubble" and data["costs"].endswith("comm=0.5")
+
+
+def test_simulate_lowered_csv_file_and_outputs(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    csv = tmp_path / "s.csv"
+    build_schedule("Interleaved1F1B", 2, 4, 2).to_csv(csv)
+    trace, svg = tmp_path / "t.json", tmp_path / "t.svg"
+    code, out, _ = run(capsys, "simulate", str(csv), "--lowered", "--trace", str(trace), "--svg", str(svg), "--grid")
+    assert code == 0
+    assert "(lowered schedule)" in out
+    assert "rank 1" in out and "t/units" in out  # the grid
+    kinds = {e["args"]["kind"] for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"}
+    assert {"F", "B", "SEND_F", "RECV_B"} <= kinds
+    assert svg.read_text().startswith("<?xml")
+
+
+def test_simulate_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "simulate", "NoSuch", "-p", "2", "-m", "2")
+    assert code == 1 and "unknown schedule 'NoSuch'" in err and "Traceback" not in err
+    code, _, err = run(capsys, "simulate", "GPipe", "-p", "2", "-m", "2", "--costs", "f=-1")
+    assert code == 1 and "cost f must be a finite number >= 0" in err
+    code, _, err = run(capsys, "simulate", "GPipe", "-p", "2", "-m", "2", "--costs", "f=1:2:3")
+    assert code == 1 and "3 per-stage values, but the schedule has 2 stages" in err
+
+
+def test_compare_table(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "compare", "--ranks", "4", "--microbatches", "8")
+    assert code == 0
+    lines = [ln for ln in out.splitlines() if ln.startswith("| ")]
+    rows = {ln.split("|")[1].strip(): [c.strip() for c in ln.split("|")[2:-1]] for ln in lines[1:]}
+    assert set(rows) == set(schedule_names())  # every schedule accepts p=4, m=8
+    assert rows["1F1B"][:4] == ["4", "33", "27.3%", "1.00"]
+    assert rows["1F1B"][4] == "4 3 2 1"
+    assert rows["ZBH1"][1] == "27"
+    assert int(rows["GPipe"][6]) == 2 * 8 * 3  # a SEND per forward and per backward between ranks
+
+
+def test_compare_scales_costs_by_stages_per_rank() -> None:
+    rows, results = compare_rows(4, 8, None, Costs(f=1, b=2))
+    by_name = {r["schedule"]: r for r in rows}
+    # the same model: total work per rank is the same for one and for two stages per rank
+    for res in results:
+        assert sum(res.busy.values()) == pytest.approx(
+            sum(results[0].busy.values()) * (1 / 3 if res.schedule_name == "ForwardOnly" else 1)
+        )
+    assert by_name["ZBVZeroBubble"]["stages"] == 8
+    assert (
+        by_name["ZBVZeroBubble"]["peak_activations_model_share"]
+        == max(by_name["ZBVZeroBubble"]["peak_activations"]) / 2
+    )
+    assert by_name["1F1B"]["vs_1f1b"] == 1.0
+
+
+def test_compare_png_and_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    png = tmp_path / "all.png"
+    code, out, _ = run(capsys, "compare", "-p", "2", "-m", "4", "-v", "2", "--png", str(png), "--json")
+    assert code == 0
+    rows = json.loads(out)
+    assert rows and all(r["stages"] == 4 for r in rows)  # only schedules that take 2 stages per rank
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_compare_no_schedule_fits(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "compare", "-p", "0", "-m", "4")
+    assert code == 1 and "no schedule accepts" in err

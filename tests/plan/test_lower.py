@@ -1,0 +1,194 @@
+"""Lowering passes: communication, FSDP, gradient reduction, I+W merging."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipetrain.plan import Action, ActionKind, Schedule, ScheduleError, build_schedule, schedule_names
+from pipetrain.plan.lower import add_communication, add_fsdp, add_grad_reduction, lower, merge_input_weight
+
+K = ActionKind
+
+
+def configs() -> list[tuple[str, Schedule]]:
+    out = []
+    for name in schedule_names():
+        for p, m, v in [(1, 3, None), (3, 5, None), (4, 8, 2), (2, 6, 3)]:
+            try:
+                out.append((f"{name}-{p}x{m}x{v}", build_schedule(name, p, m, v)))
+            except ScheduleError:
+                pass
+    return out
+
+
+CONFIGS = configs()
+IDS = [c[0] for c in CONFIGS]
+
+
+def compute_only(program: list[Action | None]) -> list[Action]:
+    return [a for a in program if a is not None and a.kind.is_compute]
+
+
+def has_backward(s: Schedule) -> bool:
+    return any(a is not None and any(p.kind is not K.F for p in a.parts) for a in s.iter_actions())
+
+
+@pytest.mark.parametrize(("label", "schedule"), CONFIGS, ids=IDS)
+def test_communication_pass(label: str, schedule: Schedule) -> None:
+    low = add_communication(schedule)
+    low.validate()
+    rank_of = schedule.stage_to_rank
+    S, M = schedule.num_stages, schedule.num_microbatches
+    # Compute order per rank is kept; idle steps are dropped.
+    for r in range(schedule.num_ranks):
+        assert compute_only(low.actions[r]) == compute_only(schedule.actions[r])
+        assert None not in low.actions[r]
+    # One SEND and one RECV per dependency between stages on different ranks, none within a rank.
+    cross_f = sum(1 for s in range(S - 1) if rank_of[s] != rank_of[s + 1])
+    cross_b = sum(1 for s in range(1, S) if rank_of[s] != rank_of[s - 1]) if has_backward(schedule) else 0
+    kinds = [a.kind for a in low.iter_actions() if a is not None]
+    assert kinds.count(K.SEND_F) == kinds.count(K.RECV_F) == cross_f * M
+    assert kinds.count(K.SEND_B) == kinds.count(K.RECV_B) == cross_b * M
+    # Every SEND follows its producer directly, or other SEND/RECV of the same group.
+    for r in range(low.num_ranks):
+        program = low.actions[r]
+        for i, a in enumerate(program):
+            if a is not None and a.kind in (K.SEND_F, K.SEND_B):
+                j = i - 1
+                while program[j] is not None and program[j].kind.is_comm:  # type: ignore[union-attr]
+                    j -= 1
+                producer = program[j]
+                assert producer is not None
+                wanted = K.F if a.kind is K.SEND_F else (K.B, K.I)
+                assert any(
+                    p.stage == a.stage and p.microbatch == a.microbatch and p.kind in (wanted if isinstance(wanted, tuple) else (wanted,))
+                    for p in producer.parts
+                ), (label, r, i, a, producer)
+
+
+def test_receives_are_posted_before_unrelated_compute() -> None:
+    # 1F1B, 2 ranks: the forward of microbatch 1 arrives while rank 1 runs the backward of
+    # microbatch 0, so its receive is posted before 1B0, not just before 1F1.
+    low = build_schedule("1F1B", 2, 4).lower()
+    program = [str(a) for a in low.actions[1]]
+    assert program.index("1RECV_F1") < program.index("1B0") < program.index("1F1")
+    # GPipe: each forward receive is posted as soon as the previous forward started.
+    low = build_schedule("GPipe", 2, 3).lower()
+    assert [str(a) for a in low.actions[1][:5]] == ["1RECV_F0", "1F0", "1RECV_F1", "1F1", "1RECV_F2"]
+
+
+def test_v_placement_turn_has_no_messages() -> None:
+    s = build_schedule("ZBVZeroBubble", 4, 8)
+    low = s.lower()
+    # Stages 3 and 4 both live on rank 3: no 3SEND_F, no 4RECV_F, no 4SEND_B, no 3RECV_B.
+    names = {str(a) for a in low.actions[3]}
+    assert not any(n.startswith(("3SEND_F", "4RECV_F", "4SEND_B", "3RECV_B")) for n in names)
+    assert any(n.startswith("3SEND_B") for n in names)
+
+
+def test_lowering_twice_is_refused() -> None:
+    s = build_schedule("1F1B", 2, 4)
+    low = s.lower()
+    with pytest.raises(ScheduleError, match="already lowered"):
+        low.lower()
+    with pytest.raises(ScheduleError, match="already has SEND/RECV"):
+        add_communication(low)
+    with pytest.raises(ScheduleError, match="already lowered"):
+        lower(add_fsdp(s))
+    with pytest.raises(ScheduleError, match="already has UNSHARD/RESHARD"):
+        add_fsdp(add_fsdp(s))
+    with pytest.raises(ScheduleError, match="already has REDUCE_GRAD"):
+        add_grad_reduction(add_grad_reduction(s))
+
+
+def test_lower_without_passes_is_a_copy() -> None:
+    s = build_schedule("GPipe", 2, 2)
+    out = s.lower(comms=False)
+    assert out == s
+    assert out.actions[0] is not s.actions[0]
+
+
+def test_deadlocking_compute_schedule_cannot_be_lowered() -> None:
+    s = Schedule({0: [Action.parse(x) for x in "0F0 0B0 0F1 0B1".split()], 1: [Action.parse(x) for x in "1F1 1B1 1F0 1B0".split()]})
+    with pytest.raises(ScheduleError, match="deadlock"):
+        add_communication(s)
+    with pytest.raises(ScheduleError, match="deadlock"):
+        s.lower()
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2, 5])
+@pytest.mark.parametrize(("label", "schedule"), CONFIGS, ids=IDS)
+def test_fsdp_window(label: str, schedule: Schedule, prefetch: int) -> None:
+    """At every compute action the unsharded stages are exactly those used in the next prefetch+1."""
+    out = add_fsdp(schedule, prefetch)
+    out.validate()
+    for r in range(out.num_ranks):
+        program = out.actions[r]
+        uses = [{p.stage for p in a.parts} for a in compute_only(program)]
+        unsharded: set[int] = set()
+        k = 0
+        for a in program:
+            if a is None:
+                continue
+            if a.kind is K.UNSHARD:
+                unsharded.add(a.stage)
+            elif a.kind is K.RESHARD:
+                unsharded.remove(a.stage)
+            elif a.kind.is_compute:
+                window = set().union(*uses[k : k + prefetch + 1])
+                assert unsharded == window, (label, r, k, a)
+                k += 1
+        assert unsharded == set(), f"rank {r} ends with {unsharded} unsharded"
+
+
+def test_fsdp_prefetch_must_be_non_negative() -> None:
+    with pytest.raises(ScheduleError, match="prefetch"):
+        add_fsdp(build_schedule("GPipe", 1, 1), -1)
+
+
+@pytest.mark.parametrize(("label", "schedule"), [c for c in CONFIGS if has_backward(c[1])], ids=lambda x: x if isinstance(x, str) else "")
+def test_grad_reduction_after_last_backward(label: str, schedule: Schedule) -> None:
+    out = lower(schedule, grad_reduce=True, fsdp=True)
+    out.validate()
+    for r in range(out.num_ranks):
+        program = out.actions[r]
+        reduced = [a.stage for a in program if a is not None and a.kind is K.REDUCE_GRAD]
+        assert sorted(reduced) == schedule.stages_of(r)
+        for i, a in enumerate(program):
+            if a is None or a.kind is not K.REDUCE_GRAD:
+                continue
+            j = i - 1
+            while program[j] is not None and program[j].kind in (K.SEND_F, K.SEND_B, K.RECV_F, K.RECV_B, K.REDUCE_GRAD):  # type: ignore[union-attr]
+                j -= 1
+            last = program[j]
+            assert last is not None and any(p.stage == a.stage and p.kind in (K.B, K.W) for p in last.parts)
+            later = [b for b in program[i + 1 :] if b is not None and b.kind.is_compute]
+            assert not any(p.stage == a.stage and p.kind in (K.B, K.W) for b in later for p in b.parts)
+
+
+def test_grad_reduction_needs_a_backward() -> None:
+    with pytest.raises(ScheduleError, match="forward-only"):
+        build_schedule("ForwardOnly", 2, 2).lower(grad_reduce=True)
+
+
+def test_merge_input_weight() -> None:
+    s = Schedule({0: [None if x == "." else Action.parse(x) for x in "0F0 0F1 0I0 0W0 0I1 0F2 0W1 0I2 . 0W2".split()]})
+    merged = merge_input_weight(s)
+    assert [str(a) if a else "." for a in merged.actions[0]] == "0F0 0F1 0B0 0I1 0F2 0W1 0B2 .".split()
+    merged.validate()
+    low = s.lower(merge_iw=True, grad_reduce=True)
+    low.validate()
+    assert "0B0" in [str(a) for a in low.actions[0]]
+
+
+@pytest.mark.parametrize("name", [n for n in schedule_names() if n in ("ZBH1", "ZBH2", "InterleavedZeroBubble", "ZBVZeroBubble")])
+def test_merge_input_weight_on_zero_bubble(name: str) -> None:
+    s = build_schedule(name, 4, 8)
+    merged = merge_input_weight(s)
+    merged.validate()
+    merged.lower().validate()
+    for r in range(s.num_ranks):
+        before = compute_only(s.actions[r])
+        after = compute_only(merged.actions[r])
+        merges = sum(1 for a in after if a.kind is K.B) - sum(1 for a in before if a.kind is K.B)
+        assert len(before) - len(after) == merges

@@ -1,0 +1,157 @@
+"""Schedule files: CSV (torch's format) and JSON round trips, and only ScheduleError on bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pipetrain.plan import Action, ActionKind, Schedule, ScheduleError, build_schedule, schedule_names
+
+
+def small_schedules() -> list[Schedule]:
+    """One small compute-only and one lowered schedule of every generator that builds at 3 × 6."""
+    out = []
+    for name in schedule_names():
+        for v in (None, 2):
+            try:
+                s = build_schedule(name, 3, 6, v)
+            except ScheduleError:
+                continue
+            out += [s, s.lower()]
+    return out
+
+
+SCHEDULES = small_schedules()
+
+
+def test_every_generator_is_covered() -> None:
+    built = {s.name for s in SCHEDULES}
+    assert built == set(schedule_names())
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: f"{s.name}-{'low' if s.is_lowered else 'compute'}")
+def test_csv_round_trip(schedule: Schedule, tmp_path: Path) -> None:
+    path = tmp_path / "s.csv"
+    schedule.to_csv(path)
+    back = Schedule.from_csv(path)
+    # CSV drops trailing idle steps and infers placement; the programs and sizes survive.
+    assert back.num_ranks == schedule.num_ranks
+    assert back.num_stages == schedule.num_stages
+    assert back.num_microbatches == schedule.num_microbatches
+    assert back.stage_to_rank == schedule.stage_to_rank
+    for r in range(schedule.num_ranks):
+        assert [a for a in back.actions[r] if a] == [a for a in schedule.actions[r] if a]
+        assert back.actions[r] == schedule.actions[r][: len(back.actions[r])]
+    back.validate()
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: f"{s.name}-{'low' if s.is_lowered else 'compute'}")
+def test_json_round_trip(schedule: Schedule, tmp_path: Path) -> None:
+    path = tmp_path / "s.json"
+    schedule.to_json(path)
+    back = Schedule.from_json(path)
+    assert back == schedule
+    assert back.name == schedule.name
+    assert Schedule.load(path) == schedule
+    assert Schedule.from_json(schedule.to_json()) == schedule
+
+
+def test_csv_text_is_torch_format() -> None:
+    s = build_schedule("GPipe", 2, 2)
+    assert s.to_csv_text().splitlines() == ["0F0,0F1,0B0,0B1", "1F0,1F1,1B0,1B1"]
+
+
+def test_csv_idle_cells_are_none() -> None:
+    s = Schedule.from_csv_text("0F0,,0B0\n,1F0,1B0\n")
+    assert s.actions == {
+        0: [Action(0, ActionKind.F, 0), None, Action(0, ActionKind.B, 0)],
+        1: [None, Action(1, ActionKind.F, 0), Action(1, ActionKind.B, 0)],
+    }
+    s.validate()
+
+
+def test_format_grid_lists_every_action() -> None:
+    s = build_schedule("GPipe", 2, 3)
+    lines = s.format().splitlines()
+    assert lines[0].split() == ["step", "rank", "0", "rank", "1"]
+    assert len(lines) == 1 + s.num_steps
+    assert lines[1].split() == ["0", "0F0", "1F0"]
+    assert "more steps" in s.format(max_steps=2)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("", "no rows"),
+        ("0F0,0X1\n", "rank 0, step 1"),
+        ("0F0\n0F1\n", "stage 0 already runs on rank 0"),
+        ("0F0\x00\n", "NUL"),
+        ('0F0,"1F0,x"\n', "rank 0, step 1"),
+    ],
+)
+def test_bad_csv_text(text: str, expected: str) -> None:
+    with pytest.raises(ScheduleError) as info:
+        Schedule.from_csv_text(text)
+    assert expected in str(info.value)
+
+
+def test_bad_files(tmp_path: Path) -> None:
+    with pytest.raises(ScheduleError, match="cannot read"):
+        Schedule.from_csv(tmp_path / "missing.csv")
+    binary = tmp_path / "b.csv"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(ScheduleError, match="UTF-8"):
+        Schedule.from_csv(binary)
+    bad_json = tmp_path / "b.json"
+    bad_json.write_text("{not json")
+    with pytest.raises(ScheduleError, match="malformed schedule JSON"):
+        Schedule.load(bad_json)
+    other_json = tmp_path / "o.json"
+    other_json.write_text('{"format": "something else"}')
+    with pytest.raises(ScheduleError, match="not a pipetrain schedule"):
+        Schedule.load(other_json)
+
+
+CELL_TOKENS = [
+    "0F0", "1F0", "0B0", "1B0", "0I0", "0W0", "1I1", "1W1", "0F1", "1F1", "0B1", "1B1", "2F0", "0F7",
+    "0SEND_F0", "1RECV_F0", "1SEND_B0", "0RECV_B0", "0UNSHARD", "0RESHARD", "1REDUCE_GRAD",
+    "(0F1;1B0)OVERLAP_F_B", "", "", "x", '"', "0F", "9F9", "(", ")OVERLAP_F_B", "0F0abc", "\n", ",",
+]  # fmt: skip
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.one_of(
+        st.text(max_size=60),
+        st.lists(st.lists(st.sampled_from(CELL_TOKENS), max_size=8).map(",".join), min_size=1, max_size=4).map(
+            "\n".join
+        ),
+    )
+)
+def test_csv_fuzz_raises_only_schedule_error(text: str) -> None:
+    """Malformed input, including schedules that parse but break rules, gives ScheduleError only."""
+    try:
+        schedule = Schedule.from_csv_text(text)
+    except ScheduleError:
+        return
+    try:
+        schedule.validate()
+    except ScheduleError:
+        return
+    # A schedule that validates also lowers (if it is compute-only) and survives a round trip.
+    if not schedule.is_lowered:
+        schedule.lower().validate()
+    assert Schedule.from_csv_text(schedule.to_csv_text()).actions.keys() == schedule.actions.keys()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=5), lambda c: st.lists(c) | st.dictionaries(st.text(max_size=8), c), max_leaves=12))
+def test_json_fuzz_raises_only_schedule_error(data: object) -> None:
+    doc = {"format": "pipetrain.schedule", "actions": data}
+    try:
+        Schedule.from_dict(doc)
+    except ScheduleError:
+        pass
