@@ -63,11 +63,11 @@ def main() -> None:
         stage_backward_weight(iter(params), groups)
         return t1 - t0, time.perf_counter() - t1
 
-    def saved_mib() -> tuple[float, float]:
-        """Saved-tensor bytes one microbatch holds after F and after I (params excluded)."""
+    def held_mib() -> tuple[float, float, float]:
+        """MiB one microbatch holds: saved activations after F, after I, and gradients I kept for W."""
         param_ptrs = {p.untyped_storage().data_ptr() for p in stage.submodule.parameters()}
 
-        def held() -> float:
+        def activations() -> float:
             saved = stage._mbs[0].saved
             assert saved is not None
             storages = {
@@ -78,11 +78,14 @@ def main() -> None:
             return sum(storages.values()) / 2**20
 
         stage.forward_one_chunk(0, (x.clone().requires_grad_(not args.first),))
-        after_f = held()
+        after_f = activations()
         stage.backward_one_chunk(0, grad_outputs=[grad], full=False)
-        after_i = held()
+        after_i = activations()
+        plan = stage._mbs[0].plan
+        assert plan is not None
+        kept = sum(g.nbytes for group in plan.groups for g in group.grads if g is not grad) / 2**20
         stage.backward_weight_one_chunk(0)
-        return after_f, after_i
+        return after_f, after_i, kept
 
     for _ in range(3):
         run(False)
@@ -108,8 +111,11 @@ def main() -> None:
     print(f"W     {w * 1e3:8.3f} ms")
     print(f"I+W   {iw * 1e3:8.3f} ms")
     print(f"ratio (I+W)/B = {iw / b:.3f}  (target <= 1.15)")
-    after_f, after_i = saved_mib()
-    print(f"activations held by one microbatch: after F {after_f:.1f} MiB, after I (until W) {after_i:.1f} MiB")
+    after_f, after_i, kept = held_mib()
+    print(
+        f"one microbatch holds: saved activations {after_f:.1f} MiB after F, {after_i:.1f} MiB after I "
+        f"(until W), plus {kept:.1f} MiB of gradients I kept for W"
+    )
     if t_times:
         tiw = statistics.median(t_times)
         print(f"torch.distributed.pipelining I+W {tiw * 1e3:8.3f} ms (ratio to our B {tiw / b:.3f})")

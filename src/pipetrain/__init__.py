@@ -32,6 +32,8 @@ _LAZY = {
     "split_args_kwargs_into_chunks": "pipetrain.microbatch",
     "merge_chunks": "pipetrain.microbatch",
     "TensorChunkSpec": "pipetrain.microbatch",
+    "REPLICATE": "pipetrain.microbatch",
+    "split_into_chunks": "pipetrain.microbatch",
 }
 
 __all__ = ["__version__", *_LAZY]

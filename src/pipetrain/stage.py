@@ -44,8 +44,11 @@ class _Microbatch:
 
 
 def _as_device(device: torch.device | str | int) -> torch.device:
+    """An int is an index on this machine's accelerator (CUDA, XPU, …), or the CPU when it has none."""
     if isinstance(device, int):
-        return torch.device("cuda", device) if torch.cuda.is_available() else torch.device("cpu")
+        accelerator = getattr(torch, "accelerator", None)
+        current = accelerator.current_accelerator() if accelerator is not None else None
+        return torch.device(current.type, device) if current is not None else torch.device("cpu")
     return torch.device(device)
 
 

@@ -334,3 +334,7 @@ def test_reference_agrees_on_hand_cases() -> None:
     cycle, _ = BROKEN["cross-rank cycle"]
     assert not reference_finishes(sched(*cycle))
     assert reference_finishes(build_schedule("1F1B", 3, 5).lower())
+
+
+def test_schedule_without_compute() -> None:
+    assert "at least one microbatch" in rejected(sched("0UNSHARD 0RESHARD"))

@@ -266,6 +266,33 @@ def test_free_output_storage_keeps_backward_correct(order: str, track: bool) -> 
     _check(mlp(act=nn.ReLU), _mlp_batches(), ORDERS[order], free_outputs=True, track=track)
 
 
+@pytest.mark.parametrize("full", [True, False])
+def test_in_memory_handover_between_stages(full: bool) -> None:
+    """V placement: a stage's output goes to the next stage as is (no detach by the caller), and
+    may be freed after the handover; the chain still gives plain autograd's gradients."""
+    torch.manual_seed(0)
+    first, second = mlp(), Block(d=8, heads=2)
+    whole = nn.Sequential(copy.deepcopy(first), copy.deepcopy(second))
+    xs = [torch.randn(2, 3, 8) for _ in range(2)]
+    gs = [torch.randn(2, 3, 8) for _ in range(2)]
+    for x, g in zip(xs, gs, strict=True):
+        whole(x).backward(g)
+    a, b = PipelineStage(first, 0, 2, "cpu"), PipelineStage(second, 1, 2, "cpu")
+    for mb, x in enumerate(xs):
+        b.forward_one_chunk(mb, (a.forward_one_chunk(mb, (x,)),))
+        a.free_output_storage(mb)
+    for mb, g in enumerate(gs):
+        (grad_in,) = b.backward_one_chunk(mb, grad_outputs=[g], full=full)
+        assert a.backward_one_chunk(mb, grad_outputs=[grad_in], full=full) == []
+    if not full:
+        for mb in (1, 0):
+            b.backward_weight_one_chunk(mb)
+            a.backward_weight_one_chunk(mb)
+    got = [p.grad for p in first.parameters()] + [p.grad for p in second.parameters()]
+    torch.testing.assert_close(got, [p.grad for p in whole.parameters()])
+    assert not a.has_state() and not b.has_state()
+
+
 def test_free_output_storage_frees_unsaved_outputs_only() -> None:
     torch.manual_seed(0)
     x = torch.randn(4, 8, requires_grad=True)
@@ -335,6 +362,69 @@ def test_any_order_of_backwards(perm: list[int], split: list[bool]) -> None:
     order = [("I" if split[mb] else "B") + str(mb) for mb in range(4)]
     order += [f"W{mb}" for mb in perm if split[mb]]
     _check(Block(), _block_batches(4), order)
+
+
+class RandomGraph(nn.Module):
+    """A random DAG of ops over a small pool of (possibly shared) weights, for fuzzing the split."""
+
+    def __init__(self, recipe: list[tuple[str, int, int, int]], outputs: list[int], d: int = 4) -> None:
+        super().__init__()
+        self.mats = nn.ParameterList([nn.Parameter(torch.randn(d, d) * 0.5) for _ in range(3)])
+        self.vecs = nn.ParameterList([nn.Parameter(torch.randn(d) * 0.5) for _ in range(2)])
+        self.recipe = recipe
+        self.outputs = outputs
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        vals = [x, y]
+        for op, a, b, p in self.recipe:
+            u, v = vals[a % len(vals)], vals[b % len(vals)]
+            if op == "matmul":
+                vals.append(u @ self.mats[p % 3])
+            elif op == "tanh":
+                vals.append(torch.tanh(u))
+            elif op == "add":
+                vals.append(u + v)
+            elif op == "mul":
+                vals.append(u * v)
+            elif op == "scale":
+                vals.append(u * self.vecs[p % 2])
+            else:  # weight-only value
+                vals.append(torch.exp(self.vecs[p % 2]).expand_as(x) @ self.mats[p % 3])
+        return tuple(vals[i % len(vals)] for i in self.outputs)
+
+
+_op = st.tuples(
+    st.sampled_from(["matmul", "tanh", "add", "mul", "scale", "weights"]),
+    st.integers(0, 20),
+    st.integers(0, 20),
+    st.integers(0, 5),
+)
+
+
+@given(
+    recipe=st.lists(_op, min_size=1, max_size=9),
+    outputs=st.lists(st.integers(2, 30), min_size=1, max_size=3),
+    y_needs_grad=st.booleans(),
+    order=st.sampled_from(list(ORDERS)),
+)
+@settings(max_examples=40, deadline=None)
+def test_random_graphs_match_autograd(
+    recipe: list[tuple[str, int, int, int]], outputs: list[int], y_needs_grad: bool, order: str
+) -> None:
+    """Shared weights, weight-only outputs, repeated outputs, skip paths: B and I/W stay exact."""
+    torch.manual_seed(2)
+    module = RandomGraph(recipe, outputs)
+    batches = [((torch.randn(3, 4), torch.randn(3, 4)), {}) for _ in range(3)]
+    if not y_needs_grad:  # y as an integer tensor: an input that needs no grad
+        batches = [((x, (y * 3).long()), k) for (x, y), k in batches]
+        module.forward = _with_float_y(module.forward)  # type: ignore[method-assign]
+    if not any(t.requires_grad for t in _grad_leaves(module(*_leaf_inputs(*batches[0])[0]))):
+        return  # nothing to differentiate
+    _check(module, batches, ORDERS[order])
+
+
+def _with_float_y(forward: Callable[..., Any]) -> Callable[..., Any]:
+    return lambda x, y: forward(x, y.float())
 
 
 def test_last_stage_backward_from_loss_accumulates() -> None:

@@ -8,7 +8,7 @@ import torch
 from pipetrain.cli import build_parser, main
 from pipetrain.errors import PipelineError
 from pipetrain.plan import ScheduleError, build_schedule
-from pipetrain.train.loop import TrainConfig, plan_for, reference_losses
+from pipetrain.train.loop import TrainConfig, TrainResult, _agrees, _mismatch, plan_for, reference_losses
 
 TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
 
@@ -43,6 +43,28 @@ def test_bad_arguments_are_one_line_errors(argv: list[str], message: str, capsys
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert err.strip() == f"pipetrain train: error: {message}"
+
+
+def test_schedule_problems_are_reported_before_spawning(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "--schedule", "NoSuchSchedule"]) == 1
+    assert "unknown schedule 'NoSuchSchedule'" in capsys.readouterr().err
+    assert main(["train", "--schedule", "ZBVZeroBubble", "--stages-per-rank", "3"]) == 1
+    assert "ZBVZeroBubble" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="checks the message shown without enough GPUs")
+def test_cuda_without_gpus_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "--device", "cuda"]) == 1
+    assert "--device cuda with 2 ranks needs 2 GPUs" in capsys.readouterr().err
+
+
+def test_check_verdict_names_the_first_differing_step() -> None:
+    good = TrainResult(losses=[5.0, 4.0], reference=[5.0, 4.0 * (1 + 5e-5)])
+    assert _agrees(good)
+    bad = TrainResult(losses=[5.0, 4.0, 3.0], reference=[5.0, 4.01, 3.5])
+    assert not _agrees(bad)
+    assert _mismatch(bad) == "--check failed at step 2: pipelined loss 4.000000 vs plain 4.010000 (rtol 1e-04)"
+    assert not _agrees(TrainResult(losses=[5.0], reference=[]))
 
 
 def test_unknown_schedule_is_a_schedule_error() -> None:

@@ -79,7 +79,7 @@ def _train(args: argparse.Namespace) -> int:
     # torch loads only here, so the planning commands stay torch-free.
     from pipetrain.errors import PipelineError
     from pipetrain.train.launch import spawn, torchrun_env
-    from pipetrain.train.loop import TrainConfig, run_rank
+    from pipetrain.train.loop import TrainConfig, plan_for, run_rank
 
     for name in ("ranks", "stages_per_rank", "microbatches", "steps", "batch_size"):
         value = getattr(args, name)
@@ -112,6 +112,15 @@ def _train(args: argparse.Namespace) -> int:
         raise PipelineError(f"--batch-size {args.batch_size} is smaller than --microbatches {args.microbatches}")
     if env is not None:
         run_rank(env, cfg)
-    else:
-        spawn(run_rank, cfg.ranks, cfg)
+        return 0
+    # Problems every rank would hit are reported once, before any process starts.
+    plan_for(cfg, cfg.ranks)
+    if cfg.device == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < cfg.ranks:
+            raise PipelineError(
+                f"--device cuda with {cfg.ranks} ranks needs {cfg.ranks} GPUs, {torch.cuda.device_count()} visible"
+            )
+    spawn(run_rank, cfg.ranks, cfg)
     return 0

@@ -56,23 +56,32 @@ class Schedule:
         max_stage = -1
         max_mb = -1
         for rank in ranks:
+            # Plain loops and comparisons: schedules hold hundreds of thousands of actions.
+            last_stage = -1
             for step, action in enumerate(self._actions[rank]):
                 if action is None:
                     continue
-                if not isinstance(action, Action):
+                if type(action) is not Action and not isinstance(action, Action):
                     raise ScheduleError(
                         f"rank {rank}, step {step}: expected an Action or None, got {type(action).__name__} {action!r}"
                     )
-                for part in action.parts:
-                    owner = seen.setdefault(part.stage, rank)
-                    if owner != rank:
-                        raise ScheduleError(
-                            f"rank {rank}, step {step}, action {action}: stage {part.stage} already runs on rank {owner}; "
-                            "each stage lives on exactly one rank"
-                        )
-                    max_stage = max(max_stage, part.stage)
-                    if part.microbatch is not None:
-                        max_mb = max(max_mb, part.microbatch)
+                for part in (action,) if action.sub_actions is None else action.sub_actions:
+                    s = part.stage
+                    if s != last_stage:
+                        owner = seen.get(s)
+                        if owner is None:
+                            seen[s] = rank
+                        elif owner != rank:
+                            raise ScheduleError(
+                                f"rank {rank}, step {step}, action {action}: stage {s} already runs on rank {owner}; "
+                                "each stage lives on exactly one rank"
+                            )
+                        last_stage = s
+                        if s > max_stage:
+                            max_stage = s
+                    m = part.microbatch
+                    if m is not None and m > max_mb:
+                        max_mb = m
 
         if stage_to_rank is not None:
             placement = {int(s): int(r) for s, r in stage_to_rank.items()}

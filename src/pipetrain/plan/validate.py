@@ -68,6 +68,8 @@ def validate(schedule: Schedule) -> None:
 
 
 def _validate(schedule: Schedule) -> None:
+    if schedule.num_microbatches < 1:
+        raise ScheduleError("the schedule has no compute actions: it needs at least one microbatch")
     index = _scan(schedule)
     _check_completeness(index)
     comm = _CommPlan(index) if index.comm else None
@@ -180,7 +182,7 @@ def _check_unshard_first(index: _Index, first_unshard: list[int]) -> None:
         if first < 0:
             continue
         steps = [(node_step[g * SM + s * M + m], g * SM + s * M + m) for g in range(3) for m in range(M)]
-        early = min((st, node) for st, node in steps if st >= 0)
+        early = min(((st, node) for st, node in steps if st >= 0), default=(first, -1))
         if early[0] < first:
             raise ScheduleError(
                 f"{_where(index.rank_of[s], early[0], _node_name(index, early[1]))}: stage {s} is sharded here; "
@@ -510,7 +512,7 @@ def _execute(index: _Index, comm: _CommPlan | None) -> None:
 
     while queue:
         r = queue.pop()
-        if lowered:
+        if head[r] < issued[r]:
             start_groups(r)
         program = programs[r]
         n = len(program)

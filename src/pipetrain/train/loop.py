@@ -146,7 +146,7 @@ def _train(env: DistEnv, cfg: TrainConfig, device: torch.device) -> TrainResult 
             from pipetrain.train.outputs import write_outputs
 
             result.files = write_outputs(Path(cfg.out), schedule, measured, result, cfg, tokens)
-            print(f"wrote {', '.join(result.files)}", flush=True)
+            _report_outputs(Path(cfg.out), result.files)
         if cfg.check:
             result.reference = reference_losses(cfg, device, schedule.num_microbatches)
             _report_check(result)
@@ -154,6 +154,20 @@ def _train(env: DistEnv, cfg: TrainConfig, device: torch.device) -> TrainResult 
     if reporting and result is not None and result.reference is not None and not _agrees(result):
         raise PipelineError(_mismatch(result))
     return result
+
+
+def _report_outputs(out: Path, files: list[str]) -> None:
+    import json
+
+    summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
+    if "simulated_step_s" in summary:
+        print(
+            f"last step: measured {summary['measured_step_s'] * 1e3:.1f} ms (bubble {summary['measured_bubble']:.1%}), "
+            f"simulated {summary['simulated_step_s'] * 1e3:.1f} ms (bubble {summary['simulated_bubble']:.1%})",
+            flush=True,
+        )
+    picture = " (timelines.png: measured above simulated)" if str(out / "timelines.png") in files else ""
+    print(f"wrote {len(files)} files to {out}{picture}", flush=True)
 
 
 def _make_schedule(pipetrain: Any, cfg: TrainConfig, schedule: Schedule, stages: list[Any]) -> Any:

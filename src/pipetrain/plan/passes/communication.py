@@ -48,27 +48,31 @@ def communication_pass(schedule: Schedule) -> Schedule:
     prev_cross, next_cross = cross_rank_flags(rank_of)
     starts = unit_time_starts(schedule)
 
+    # Where each stage's forward output / input-gradient goes, or -1 when it stays on the rank.
+    f_dst = [rank_of[s + 1] if next_cross[s] else -1 for s in range(ids.S)]
+    b_dst = [rank_of[s - 1] if prev_cross[s] else -1 for s in range(ids.S)]
     events: list[list[int]] = [[] for _ in programs]
     for r, program in enumerate(programs):
-        row = starts[r]
         mine = events[r]
-        for i, a in enumerate(program):
-            st = row[i]
+        for a, st in zip(program, starts[r], strict=True):
             if st < 0:
                 continue
-            base = (st + 1) * width
             assert a is not None
-            for part in a.parts:
+            base = (st + 1) * width
+            for part in (a,) if a.sub_actions is None else a.sub_actions:
                 k, s = part.kind, part.stage
                 if k is F:
-                    if next_cross[s]:
+                    d = f_dst[s]
+                    if d >= 0:
                         key = base + s * M + part.microbatch  # type: ignore[operator]
                         mine.append(key)
-                        events[rank_of[s + 1]].append(key)
-                elif (k is B or k is I) and prev_cross[s]:
-                    key = base + SM + s * M + part.microbatch  # type: ignore[operator]
-                    mine.append(key)
-                    events[rank_of[s - 1]].append(key)
+                        events[d].append(key)
+                elif k is B or k is I:
+                    d = b_dst[s]
+                    if d >= 0:
+                        key = base + SM + s * M + part.microbatch  # type: ignore[operator]
+                        mine.append(key)
+                        events[d].append(key)
 
     lowered: dict[int, list[Action | None]] = {}
     for r, program in enumerate(programs):

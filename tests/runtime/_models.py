@@ -1,0 +1,50 @@
+"""Tiny models and a non-pipelined reference for the runtime tests."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+MULTI_STAGE = {"Interleaved1F1B": 2, "LoopedBFS": 2, "InterleavedZeroBubble": 2, "ZBVZeroBubble": 2, "DualPipeV": 2}
+
+
+def stages_per_rank(name: str) -> int:
+    return MULTI_STAGE.get(name, 1)
+
+
+def mlp_layers(num_stages: int, width: int = 8, seed: int = 0) -> list[nn.Module]:
+    torch.manual_seed(seed)
+    return [nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(num_stages)]
+
+
+def transformer_layers(num_stages: int, d_model: int = 8, seed: int = 0) -> list[nn.Module]:
+    torch.manual_seed(seed)
+    return [
+        nn.TransformerEncoderLayer(d_model, nhead=2, dim_feedforward=16, dropout=0.0, batch_first=True)
+        for _ in range(num_stages)
+    ]
+
+
+def make_layers(kind: str, num_stages: int) -> list[nn.Module]:
+    return mlp_layers(num_stages) if kind == "mlp" else transformer_layers(num_stages)
+
+
+def make_batch(kind: str, batch: int, seq: int = 3, width: int = 8, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shape = (batch, width) if kind == "mlp" else (batch, seq, width)
+    return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+
+
+def reference(
+    layers: list[nn.Module], x: Any, y: torch.Tensor, n_microbatches: int, loss_fn: Any = nn.functional.mse_loss
+) -> tuple[list[nn.Module], list[torch.Tensor], torch.Tensor]:
+    """Non-pipelined training on the whole batch: the mean of the microbatch losses, backward once."""
+    model = nn.Sequential(*copy.deepcopy(layers))
+    losses = [loss_fn(model(xi), yi) for xi, yi in zip(x.tensor_split(n_microbatches), y.tensor_split(n_microbatches))]
+    torch.stack(losses).mean().backward()
+    with torch.no_grad():
+        out = model(x)
+    return list(model), [loss.detach() for loss in losses], out

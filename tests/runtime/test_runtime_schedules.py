@@ -1,0 +1,61 @@
+"""Every schedule on real gloo ranks: losses, gradients and outputs equal non-pipelined training."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _dist import run_ranks
+from _models import make_batch, make_layers, reference, stages_per_rank
+
+pytestmark = pytest.mark.slow
+
+
+def _check_all_schedules(rank: int, world: int, kinds: tuple[str, ...]) -> list[str]:
+    from torch import nn
+
+    from pipetrain import PipelineStage, get_schedule_class
+    from pipetrain.plan import build_schedule, schedule_names
+
+    done = []
+    for name in schedule_names():
+        for kind in kinds:
+            v = stages_per_rank(name)
+            num_stages = world * v
+            m = 2 * world
+            layers = make_layers(kind, num_stages)
+            x, y = make_batch(kind, 2 * m)
+            ref_layers, ref_losses, ref_out = reference(layers, x, y, m)
+            placement = build_schedule(name, world, m, v).stage_to_rank
+            mine = [s for s, r in placement.items() if r == rank]
+            stages = [PipelineStage(layers[s], s, num_stages, "cpu") for s in mine]
+            cls = get_schedule_class(name)
+            sched = cls(stages if v > 1 else stages[0], m, loss_fn=nn.functional.mse_loss)
+            losses: list[torch.Tensor] = []
+            is_first, is_last = 0 in mine, num_stages - 1 in mine
+            out = sched.step(*((x,) if is_first else ()), target=y if is_last else None, losses=losses)
+            case = f"{name}/{kind}/{world} ranks"
+            if name != "ForwardOnly":
+                for s in mine:
+                    for (pname, p), q in zip(layers[s].named_parameters(), ref_layers[s].parameters()):
+                        torch.testing.assert_close(p.grad, q.grad, msg=lambda e, c=case, s=s, n=pname: f"{c}: stage {s} {n}: {e}")
+                    assert not stages[mine.index(s)].has_state(), case
+            if is_last:
+                torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), msg=lambda e, c=case: f"{c}: {e}")
+                torch.testing.assert_close(out, ref_out, msg=lambda e, c=case: f"{c}: output: {e}")
+            else:
+                assert out is None and losses == [], case
+            evaluated = sched.eval(*((x,) if is_first else ()))
+            if is_last:
+                torch.testing.assert_close(evaluated, ref_out, msg=lambda e, c=case: f"{c}: eval: {e}")
+            assert sched.last_timeline is not None and sched.last_timeline.source == "measured"
+            done.append(case)
+    return done
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_schedule_matches_plain_training(world: int) -> None:
+    from pipetrain.plan import schedule_names
+
+    results = run_ranks(_check_all_schedules, world, ("mlp", "transformer"))
+    assert all(len(r) == 2 * len(schedule_names()) for r in results)
