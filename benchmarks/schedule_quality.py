@@ -66,6 +66,18 @@ def torch_order(name: str, num_ranks: int, num_microbatches: int, stages_per_ran
     return Schedule.from_csv_text("\n".join(rows) + "\n", name=f"torch {name}")
 
 
+def _difference(ours: Schedule, theirs: Schedule | None) -> str:
+    """Which compute actions torch's order has that a complete schedule lacks, and vice versa."""
+    if theirs is None:
+        return ""
+    mine = {str(a) for a in ours.iter_actions() if a is not None}
+    other = {str(a) for a in theirs.iter_actions() if a is not None}
+    extra, missing = sorted(other - mine), sorted(mine - other)
+    if not extra and not missing:
+        return ""
+    return f"runs {', '.join(extra) or 'nothing extra'}; never runs {', '.join(missing) or '-'}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="4x8,4x16,8x16,8x32", help="ranks x microbatches, comma separated")
@@ -83,16 +95,18 @@ def main() -> None:
             v = 1 if name in ("GPipe", "1F1B") else 2
             row = f"| {name} | {p} × {m} |"
             try:
-                ours = simulate(build_schedule(name, p, m, v), costs)
+                ours_schedule = build_schedule(name, p, m, v)
+                ours = simulate(ours_schedule, costs)
             except ScheduleError as err:
                 print(f"{row} pipetrain: {err} | | | | | |")
                 continue
+            theirs_schedule = None
             try:
                 theirs_schedule = torch_order(name, p, m, v)
                 theirs_schedule.validate()
                 theirs = simulate(theirs_schedule, costs)
             except (ScheduleError, ValueError, AssertionError, KeyError) as err:
-                reason = str(err).split(";")[0][:90]
+                reason = _difference(ours_schedule, theirs_schedule) or str(err).split(";")[0][:90]
                 print(f"{row} {ours.makespan:g} | torch's order is invalid: {reason} | | {ours.bubble:.1%} | | |")
                 continue
             print(

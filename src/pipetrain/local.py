@@ -111,7 +111,9 @@ class LocalPipeline:
                 f"LocalPipeline: n_microbatches={n_microbatches} but the schedule has {schedule.num_microbatches}"
             )
         if schedule.num_stages != len(modules):
-            raise PipelineError(f"LocalPipeline: the schedule has {schedule.num_stages} stages but {len(modules)} modules were given")
+            raise PipelineError(
+                f"LocalPipeline: the schedule has {schedule.num_stages} stages but {len(modules)} modules were given"
+            )
         self.schedule = prepare_schedule(schedule, **dict(lower_options or {}))
         self.n_microbatches = self.schedule.num_microbatches
         self.num_ranks = self.schedule.num_ranks
@@ -125,16 +127,28 @@ class LocalPipeline:
         self._step_count = 0
         self.last_timeline: Timeline | None = None
 
-    def step(self, *args: Any, target: Any = None, losses: list[Any] | None = None, return_outputs: bool = True, **kwargs: Any) -> Any:
+    def step(
+        self,
+        *args: Any,
+        target: Any = None,
+        losses: list[Any] | None = None,
+        return_outputs: bool = True,
+        **kwargs: Any,
+    ) -> Any:
         """One training step over all stages (forward only without ``loss_fn``)."""
         if self.loss_fn is None:
             return self._run(self._forward_schedule(), args, kwargs, None, None, train=False)
         if target is None:
             raise PipelineError("LocalPipeline.step: loss_fn is set but no target was given")
         forward_only = all(
-            p.kind.value == "F" for a in self.schedule.iter_actions() if a is not None and a.kind.is_compute for p in a.parts
+            p.kind.value == "F"
+            for a in self.schedule.iter_actions()
+            if a is not None and a.kind.is_compute
+            for p in a.parts
         )
-        return self._run(self.schedule, args, kwargs, target, losses, train=not forward_only, return_outputs=return_outputs)
+        return self._run(
+            self.schedule, args, kwargs, target, losses, train=not forward_only, return_outputs=return_outputs
+        )
 
     def eval(self, *args: Any, **kwargs: Any) -> Any:
         """Forward only, without autograd; the merged output of the last stage."""
@@ -160,13 +174,15 @@ class LocalPipeline:
         self._step_count += 1
         n = self.n_microbatches
         a, k = split_args_kwargs_into_chunks(args, kwargs, n, self._args_chunk_spec, self._kwargs_chunk_spec)
-        inputs = list(zip(a, k))
+        inputs = list(zip(a, k, strict=True))
         targets = split_into_chunks(target, n, None, "target") if target is not None else None
         transport = LocalTransport()
         programs = []
         for rank in range(schedule.num_ranks):
             held = {s: self.stages[s] for s in schedule.stages_of(rank)}
-            programs.append(_Program(rank, held, schedule.stage_to_rank, schedule.num_stages, _LocalComm(rank, transport)))
+            programs.append(
+                _Program(rank, held, schedule.stage_to_rank, schedule.num_stages, _LocalComm(rank, transport))
+            )
         last_rank = schedule.stage_to_rank[schedule.num_stages - 1]
         first_rank = schedule.stage_to_rank[0]
         gens: dict[int, Generator[None, None, None]] = {}
@@ -198,7 +214,9 @@ class LocalPipeline:
         return result
 
     @staticmethod
-    def _interleave(gens: dict[int, Generator[None, None, None]], programs: list[_Program], transport: LocalTransport) -> None:
+    def _interleave(
+        gens: dict[int, Generator[None, None, None]], programs: list[_Program], transport: LocalTransport
+    ) -> None:
         live = dict(gens)
         while live:
             progressed = False
@@ -222,8 +240,12 @@ class LocalPipeline:
 
     def _timeline(self, programs: list[_Program], schedule: Schedule, step_index: int, t_start: int) -> Timeline:
         events = [
-            TimelineEvent(p.rank, str(a), a.kind.value, a.stage, a.microbatch, (t0 - t_start) / 1e9, (t1 - t_start) / 1e9)
+            TimelineEvent(
+                p.rank, str(a), a.kind.value, a.stage, a.microbatch, (t0 - t_start) / 1e9, (t1 - t_start) / 1e9
+            )
             for p in programs
             for a, t0, t1 in p.events
         ]
-        return Timeline(schedule.num_ranks, events, title=f"{schedule.name} (local) step {step_index}", source="measured", unit="s")
+        return Timeline(
+            schedule.num_ranks, events, title=f"{schedule.name} (local) step {step_index}", source="measured", unit="s"
+        )

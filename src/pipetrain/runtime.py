@@ -14,6 +14,7 @@ process instead.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Generator, Sequence
 from datetime import timedelta
@@ -28,7 +29,15 @@ from pipetrain.microbatch import merge_chunks, split_args_kwargs_into_chunks, sp
 from pipetrain.plan import Action, ActionKind, Schedule, ScheduleError
 from pipetrain.plan.timeline import Timeline, TimelineEvent
 from pipetrain.stage import PipelineStage
-from pipetrain.transport import DistTransport, FailureChannel, RecvHandle, RecvItem, RemoteFailure, SendItem, Waiter
+from pipetrain.transport import (
+    DistTransport,
+    FailureChannel,
+    RecvHandle,
+    RecvItem,
+    RemoteFailureError,
+    SendItem,
+    Waiter,
+)
 
 __all__ = ["PipelineScheduleRuntime", "forward_only_schedule", "prepare_schedule"]
 
@@ -117,6 +126,7 @@ class _Program:
         self.out_specs: dict[tuple[int, int], list[tuple[torch.Size, torch.dtype]]] = {}
         self.losses: dict[int, torch.Tensor] = {}
         self.outputs: dict[int, Any] = {}
+        self.reduced: set[int] = set()
 
     def where(self) -> str:
         action = "" if self.action is None else f", action {self.action}"
@@ -162,7 +172,7 @@ class _Program:
                     j += 1
                 batch = [a for a in program[i:j] if a is not None]
                 t0 = clock()
-                with _label(profiling, batch):
+                with _Label(profiling, batch):
                     self._post(batch)
                 t1 = clock()
                 events.extend((a, t0, t1) for a in batch)
@@ -219,7 +229,7 @@ class _Program:
                 )
                 recvs.append((self.recv_b, (s, m)))
         handles = self.comm.post(items)
-        for (table, key), handle in zip(recvs, handles):
+        for (table, key), handle in zip(recvs, handles, strict=True):
             table[key] = handle
 
     def _pop(self, table: dict[tuple[int, int], Any], key: tuple[int, int], action: Action, why: str) -> Any:
@@ -252,6 +262,7 @@ class _Program:
             _reshard(self._stage(action.stage))
         elif kind is _K.REDUCE_GRAD:
             _reduce_grad(self._stage(action.stage))
+            self.reduced.add(action.stage)
         else:  # pragma: no cover - every kind is handled above
             raise PipelineError(f"{self.where()}: cannot execute {kind.value}")
 
@@ -331,7 +342,7 @@ class _Program:
                 f"{self.where()}: stage {s + 1} sent {len(grads)} input gradients for microbatch {m}, but stage {s} "
                 f"produced {len(specs)} outputs that need a gradient"
             )
-        for i, (grad, (shape, dtype)) in enumerate(zip(grads, specs)):
+        for i, (grad, (shape, dtype)) in enumerate(zip(grads, specs, strict=True)):
             if grad is not None and (grad.shape != shape or grad.dtype != dtype):
                 raise PipelineError(
                     f"{self.where()}: stage {s} output {i} of microbatch {m} is {dtype} {list(shape)}, but stage {s + 1} "
@@ -344,39 +355,85 @@ class _Program:
             stage.clear()
 
 
-class _label:
-    """``record_function`` for a batch of comm actions, only while a profiler is running."""
+class _Label:
+    """``record_function(str(action))`` for each action of a comm batch, only while profiling."""
 
     def __init__(self, profiling: bool, batch: list[Action]) -> None:
-        self._ctx = torch.profiler.record_function(" ".join(str(a) for a in batch)) if profiling else None
+        self._stack = contextlib.ExitStack() if profiling else None
+        self._batch = batch
 
     def __enter__(self) -> None:
-        if self._ctx is not None:
-            self._ctx.__enter__()
+        if self._stack is not None:
+            for action in self._batch:
+                self._stack.enter_context(torch.profiler.record_function(str(action)))
 
     def __exit__(self, *exc: object) -> None:
-        if self._ctx is not None:
-            self._ctx.__exit__(*exc)
+        if self._stack is not None:
+            self._stack.close()
 
 
 # ------------------------------------------------------------------- FSDP / DDP
+def _dp_kind(module: torch.nn.Module) -> str | None:
+    """ "fsdp" for an FSDP2 (fully_shard) module, "ddp" for DistributedDataParallel, else None."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(module, FSDPModule):
+        return "fsdp"
+    if isinstance(module, DistributedDataParallel):
+        return "ddp"
+    return None
+
+
 def _unshard(stage: PipelineStage) -> None:
-    module = stage.submodule
-    if hasattr(module, "unshard"):
-        module.unshard()
+    if _dp_kind(stage.submodule) == "fsdp":
+        stage.submodule.unshard()  # type: ignore[operator]
 
 
 def _reshard(stage: PipelineStage) -> None:
-    module = stage.submodule
-    if hasattr(module, "reshard"):
-        module.reshard()
+    if _dp_kind(stage.submodule) == "fsdp":
+        stage.submodule.reshard()  # type: ignore[operator]
+
+
+def _hold_grad_sync(stage: PipelineStage) -> None:
+    """Accumulate gradients locally over the microbatches: no data-parallel reduction per backward."""
+    module: Any = stage.submodule
+    kind = _dp_kind(module)
+    if kind == "fsdp":
+        module.set_is_last_backward(False)
+        module.set_reshard_after_backward(False)
+        module.set_requires_gradient_sync(False)
+    elif kind == "ddp":
+        module.require_backward_grad_sync = False
 
 
 def _reduce_grad(stage: PipelineStage) -> None:
-    """Synchronise the gradients of a data-parallel stage once per step (see pipetrain.dp)."""
-    reduce = getattr(stage, "_pipetrain_reduce_grad", None)
-    if reduce is not None:
-        reduce()
+    """REDUCE_GRAD: the one data-parallel gradient reduction of the step for this stage."""
+    module: Any = stage.submodule
+    kind = _dp_kind(module)
+    if kind == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        module.set_is_last_backward(True)
+        module.set_reshard_after_backward(True)
+        module.set_requires_gradient_sync(True)
+        state = fully_shard.state(module)  # type: ignore[attr-defined]
+        for sub in state._state_ctx.all_states:
+            for group in sub._fsdp_param_groups:
+                group.post_backward()  # reduce-scatter what the microbatches accumulated
+        state._root_post_backward_final_callback()
+    elif kind == "ddp":
+        grads = [p.grad for p in module.parameters() if p.grad is not None]
+        if grads:
+            group = module.process_group
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=group)
+            flat /= dist.get_world_size(group)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+        module.require_backward_grad_sync = True
 
 
 # ------------------------------------------------------------------- schedules
@@ -461,6 +518,11 @@ class PipelineScheduleRuntime:
         self.group = group if group is not None else self._stage_list[0].group
         self.rank, self.world = self._rank_and_world()
         self.stages = {st.stage_index: st for st in self._stage_list}
+        self._dp_stages = [st for st in self._stage_list if _dp_kind(st.submodule) is not None]
+        if lower_options is None and self._dp_stages:
+            # Data parallel stages: one gradient reduction per step, FSDP gathers planned by the schedule.
+            fsdp = any(_dp_kind(st.submodule) == "fsdp" for st in self._dp_stages)
+            lower_options = {"grad_reduce": True, "fsdp": fsdp}
         self._lower_options = dict(lower_options or {})
         self._failure = self._failure_channel()
         try:
@@ -471,7 +533,10 @@ class PipelineScheduleRuntime:
             raise
         self.n_microbatches = self.schedule.num_microbatches
         self._forward_only = not any(
-            p.kind is not _K.F for a in self.schedule.iter_actions() if a is not None and a.kind.is_compute for p in a.parts
+            p.kind is not _K.F
+            for a in self.schedule.iter_actions()
+            if a is not None and a.kind.is_compute
+            for p in a.parts
         )
         self._eval_schedule: Schedule | None = None
         self._waiter = self._new_waiter()
@@ -594,9 +659,16 @@ class PipelineScheduleRuntime:
                 train=train,
                 keep_outputs=return_outputs or not train,
             )
+            if train:
+                for st in self._dp_stages:
+                    _hold_grad_sync(st)
             for _ in gen:  # pragma: no cover - distributed waits block instead of yielding
                 pass
             self._transport.finish()
+            if train:
+                for st in self._dp_stages:  # a schedule lowered without REDUCE_GRAD still syncs once
+                    if st.stage_index not in program.reduced:
+                        _reduce_grad(st)
             result = self._finish(program, losses, return_outputs or not train)
         except BaseException as exc:
             self._fail(program, exc)
@@ -616,7 +688,7 @@ class PipelineScheduleRuntime:
         a, k = split_args_kwargs_into_chunks(
             args, kwargs, self.n_microbatches, self._args_chunk_spec, self._kwargs_chunk_spec
         )
-        return list(zip(a, k))
+        return list(zip(a, k, strict=True))
 
     def _split_target(self, target: Any, train: bool) -> list[Any] | None:
         if not self.has_last_stage or self._loss_fn is None or (not train and target is None):
@@ -640,7 +712,7 @@ class PipelineScheduleRuntime:
 
     def _fail(self, program: _Program, exc: BaseException) -> None:
         where = program.where()
-        remote = isinstance(exc, RemoteFailure)
+        remote = isinstance(exc, RemoteFailureError)
         if isinstance(exc, PipelineError):
             message = str(exc) if str(exc).startswith("rank ") else f"{where}: {exc}"
         else:
@@ -655,6 +727,16 @@ class PipelineScheduleRuntime:
         if isinstance(exc, PipelineError) and message == str(exc):
             raise exc
         raise PipelineError(message) from exc
+
+    def gather_timeline(self) -> Timeline | None:
+        """The last step's timeline of every rank (a collective: call it on all ranks), times from 0."""
+        if self.last_timeline is None:
+            return None
+        parts: list[Any] = [None] * self.world
+        dist.all_gather_object(parts, [e.to_dict() for e in self.last_timeline.events], group=self.group)
+        events = [TimelineEvent.from_dict(e) for part in parts for e in part]
+        merged = Timeline(self.world, events, self.last_timeline.title.split(",")[0], "measured", "s")
+        return merged.shifted(-merged.start)
 
     def _timeline(self, program: _Program, t_start: int, schedule: Schedule) -> Timeline:
         events = [

@@ -57,7 +57,9 @@ class PipelineScheduleMulti(PipelineScheduleRuntime):
         if not stage_list:
             raise PipelineError(f"{type(self).__name__} needs at least one PipelineStage")
         if not self.schedule_name:
-            raise PipelineError(f"{type(self).__name__} names no schedule; use a concrete class or PipelineScheduleRuntime")
+            raise PipelineError(
+                f"{type(self).__name__} names no schedule; use a concrete class or PipelineScheduleRuntime"
+            )
         group = options.get("group", stage_list[0].group)
         if not dist.is_available() or not dist.is_initialized():
             raise PipelineError(f"{type(self).__name__} needs an initialised torch.distributed process group")
@@ -159,6 +161,6 @@ def get_schedule_class(schedule_name: str) -> type[PipelineScheduleRuntime]:
         raise ValueError(f"a schedule name must be a string, not {type(schedule_name).__name__}")
     cls = _CLASSES.get(schedule_name.strip().lower())
     if cls is None:
-        known = sorted({c.schedule_name for c in _CLASSES.values() if getattr(c, "schedule_name", "")})
+        known = sorted({str(getattr(c, "schedule_name", "")) for c in _CLASSES.values()} - {""})
         raise ValueError(f"unknown schedule {schedule_name!r}; known: {', '.join(known)}")
     return cls

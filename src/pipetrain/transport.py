@@ -31,11 +31,20 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_dumps, treespec_loads
 
 from pipetrain.errors import PipelineError
 
-__all__ = ["DistTransport", "RemoteFailure", "FailureChannel", "Layout", "LocalTransport", "RecvHandle", "Waiter", "layout_of"]
+__all__ = [
+    "DistTransport",
+    "FailureChannel",
+    "Layout",
+    "LocalTransport",
+    "RecvHandle",
+    "RemoteFailureError",
+    "Waiter",
+    "layout_of",
+]
 
 Key = Hashable
 _HEADER = 4  # [flag, layout bytes, 0, 0]
@@ -52,13 +61,17 @@ class Layout:
     tensors: tuple[tuple[torch.dtype, tuple[int, ...], bool], ...]
 
     def encode(self) -> torch.Tensor:
-        data = pickle.dumps((self.spec, self.plain, self.tensors), protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            spec: Any = treespec_dumps(self.spec)
+        except Exception:  # a container type pytree cannot name: send the spec object itself
+            spec = self.spec
+        data = pickle.dumps((spec, self.plain, self.tensors), protocol=pickle.HIGHEST_PROTOCOL)
         return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
     @staticmethod
     def decode(buf: torch.Tensor) -> Layout:
         spec, plain, tensors = pickle.loads(bytes(buf.tolist()))
-        return Layout(spec, plain, tensors)
+        return Layout(treespec_loads(spec) if isinstance(spec, str) else spec, plain, tensors)
 
 
 class _TensorMark:
@@ -90,6 +103,16 @@ def layout_of(obj: Any) -> tuple[Layout, list[torch.Tensor]]:
     return Layout(spec, tuple(plain), tuple(specs)), tensors
 
 
+def _same(a: Layout, b: Layout) -> bool:
+    """Whether a receiver expecting layout ``a`` can take a message of layout ``b`` as is."""
+    if a.tensors != b.tensors or a.spec != b.spec or len(a.plain) != len(b.plain):
+        return False
+    try:
+        return all(x is y or bool(x == y) for x, y in zip(a.plain, b.plain, strict=True))
+    except Exception:  # values without a plain truth value (arrays, ...): resend the layout
+        return False
+
+
 def rebuild(layout: Layout, tensors: list[torch.Tensor]) -> Any:
     """Inverse of :func:`layout_of`; received tensors that needed grad become leaves needing grad."""
     it = iter(tensors)
@@ -99,7 +122,7 @@ def rebuild(layout: Layout, tensors: list[torch.Tensor]) -> Any:
             leaves.append(next(it))
         else:
             leaves.append(value)
-    for t, (_, _, rg) in zip(tensors, layout.tensors):
+    for t, (_, _, rg) in zip(tensors, layout.tensors, strict=True):
         if rg and t.is_floating_point():
             t.requires_grad_(True)
     return tree_unflatten(leaves, layout.spec)
@@ -179,15 +202,15 @@ class DistTransport:
     def _send_ops(self, item: SendItem, ops: list[dist.P2POp]) -> list[torch.Tensor]:
         layout, tensors = layout_of(item.obj)
         tensors = [t.detach().contiguous() for t in tensors]
-        header = torch.zeros(_HEADER, dtype=torch.int64)
+        header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
         old = self._sent.get(item.key)
         keep: list[torch.Tensor] = [header]
-        if old is not None and old.tensors == layout.tensors and old.spec == layout.spec and old.plain == layout.plain:
+        if old is not None and _same(old, layout):
             ops.append(self._op(dist.isend, header, item.peer, _TAG_STEADY))
             ops.extend(self._op(dist.isend, t, item.peer, _TAG_STEADY) for t in tensors)
             keep.extend(tensors)
             return keep
-        encoded = layout.encode()
+        encoded = layout.encode().to(self.device)
         header[0] = _NEW
         header[1] = encoded.numel()
         ops.append(self._op(dist.isend, header, item.peer, _TAG_STEADY))
@@ -203,10 +226,11 @@ class DistTransport:
         return keep
 
     def _recv_ops(self, item: RecvItem, ops: list[dist.P2POp]) -> RecvHandle:
-        handle = RecvHandle(item.key, item.peer, item.what, header=torch.empty(_HEADER, dtype=torch.int64))
+        header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+        handle = RecvHandle(item.key, item.peer, item.what, header=header)
         handle.cached = self._received.get(item.key)
         index = [len(ops)]
-        ops.append(self._op(dist.irecv, handle.header, item.peer, _TAG_STEADY))
+        ops.append(self._op(dist.irecv, header, item.peer, _TAG_STEADY))
         if handle.cached is not None:
             handle.buffers = _empty(handle.cached, self.device)
             for buf in handle.buffers:
@@ -233,7 +257,7 @@ class DistTransport:
         if int(header[0]) == _SAME and handle.cached is not None:
             layout, tensors = handle.cached, handle.buffers
         else:
-            encoded = torch.empty(int(header[1]), dtype=torch.uint8)
+            encoded = torch.empty(int(header[1]), dtype=torch.uint8, device=self.device)
             self.waiter.wait([dist.irecv(encoded, group=self.group, group_src=handle.peer, tag=_TAG_NEW)], handle.what)
             layout = Layout.decode(encoded)
             tensors = _empty(layout, self.device)
@@ -295,7 +319,7 @@ class LocalTransport:
         return sum(len(b) for b in self._boxes.values()) + sum(len(p) for p in self._posted.values())
 
 
-class RemoteFailure(PipelineError):
+class RemoteFailureError(PipelineError):
     """This rank stopped because another rank failed (the message tells which, where and why)."""
 
 
@@ -410,7 +434,7 @@ class Waiter:
         while not job.done.wait(self.poll):
             story = None if self.failure is None else self.failure.check()
             if story is not None:
-                raise RemoteFailure(f"{self.where()}: stopped while waiting for {job.what} because {story}")
+                raise RemoteFailureError(f"{self.where()}: stopped while waiting for {job.what} because {story}")
             if time.monotonic() > deadline:
                 raise PipelineError(
                     f"{self.where()}: timed out after {self.timeout:g} s waiting for {job.what} (no rank reported a failure)"
@@ -418,7 +442,7 @@ class Waiter:
         if job.error is not None:
             story = None if self.failure is None else self.failure.check()
             because = f" because {story}" if story else ""
-            kind = RemoteFailure if story else PipelineError
+            kind = RemoteFailureError if story else PipelineError
             raise kind(f"{self.where()}: waiting for {job.what} failed{because}: {job.error}") from job.error
 
     def close(self) -> None:

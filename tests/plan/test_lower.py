@@ -61,7 +61,9 @@ def test_communication_pass(label: str, schedule: Schedule) -> None:
                 assert producer is not None
                 wanted = K.F if a.kind is K.SEND_F else (K.B, K.I)
                 assert any(
-                    p.stage == a.stage and p.microbatch == a.microbatch and p.kind in (wanted if isinstance(wanted, tuple) else (wanted,))
+                    p.stage == a.stage
+                    and p.microbatch == a.microbatch
+                    and p.kind in (wanted if isinstance(wanted, tuple) else (wanted,))
                     for p in producer.parts
                 ), (label, r, i, a, producer)
 
@@ -109,7 +111,12 @@ def test_lower_without_passes_is_a_copy() -> None:
 
 
 def test_deadlocking_compute_schedule_cannot_be_lowered() -> None:
-    s = Schedule({0: [Action.parse(x) for x in "0F0 0B0 0F1 0B1".split()], 1: [Action.parse(x) for x in "1F1 1B1 1F0 1B0".split()]})
+    s = Schedule(
+        {
+            0: [Action.parse(x) for x in "0F0 0B0 0F1 0B1".split()],
+            1: [Action.parse(x) for x in "1F1 1B1 1F0 1B0".split()],
+        }
+    )
     with pytest.raises(ScheduleError, match="deadlock"):
         add_communication(s)
     with pytest.raises(ScheduleError, match="deadlock"):
@@ -146,7 +153,9 @@ def test_fsdp_prefetch_must_be_non_negative() -> None:
         add_fsdp(build_schedule("GPipe", 1, 1), -1)
 
 
-@pytest.mark.parametrize(("label", "schedule"), [c for c in CONFIGS if has_backward(c[1])], ids=lambda x: x if isinstance(x, str) else "")
+@pytest.mark.parametrize(
+    ("label", "schedule"), [c for c in CONFIGS if has_backward(c[1])], ids=lambda x: x if isinstance(x, str) else ""
+)
 def test_grad_reduction_after_last_backward(label: str, schedule: Schedule) -> None:
     out = lower(schedule, grad_reduce=True, fsdp=True)
     out.validate()
@@ -181,7 +190,9 @@ def test_merge_input_weight() -> None:
     assert "0B0" in [str(a) for a in low.actions[0]]
 
 
-@pytest.mark.parametrize("name", [n for n in schedule_names() if n in ("ZBH1", "ZBH2", "InterleavedZeroBubble", "ZBVZeroBubble")])
+@pytest.mark.parametrize(
+    "name", [n for n in schedule_names() if n in ("ZBH1", "ZBH2", "InterleavedZeroBubble", "ZBVZeroBubble")]
+)
 def test_merge_input_weight_on_zero_bubble(name: str) -> None:
     s = build_schedule(name, 4, 8)
     merged = merge_input_weight(s)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -148,10 +149,29 @@ def test_csv_fuzz_raises_only_schedule_error(text: str) -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=5), lambda c: st.lists(c) | st.dictionaries(st.text(max_size=8), c), max_leaves=12))
+@given(
+    st.recursive(
+        st.none() | st.booleans() | st.integers() | st.text(max_size=5),
+        lambda c: st.lists(c) | st.dictionaries(st.text(max_size=8), c),
+        max_leaves=12,
+    )
+)
 def test_json_fuzz_raises_only_schedule_error(data: object) -> None:
     doc = {"format": "pipetrain.schedule", "actions": data}
     try:
         Schedule.from_dict(doc)
     except ScheduleError:
         pass
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.binary(max_size=80) | st.lists(st.sampled_from(CELL_TOKENS), max_size=12).map(lambda t: ",".join(t).encode()))
+def test_csv_file_fuzz_raises_only_schedule_error(data: bytes) -> None:
+    """Arbitrary bytes on disk (bad UTF-8, NULs, junk cells) give ScheduleError only."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "fuzz.csv"
+        path.write_bytes(data)
+        try:
+            Schedule.from_csv(path).validate()
+        except ScheduleError:
+            pass

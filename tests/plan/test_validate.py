@@ -77,7 +77,10 @@ BROKEN = {
     "compute while resharded": (("0UNSHARD 0F0 0RESHARD 0B0",), "rank 0, step 3, action 0B0: stage 0 is sharded here"),
     "compute before UNSHARD": (("0F0 0UNSHARD 0B0 0RESHARD",), "rank 0, step 0, action 0F0: stage 0 is sharded here"),
     "UNSHARD twice": (("0UNSHARD 0F0 0UNSHARD 0B0",), "rank 0, step 2, action 0UNSHARD: stage 0 is already unsharded"),
-    "RESHARD without UNSHARD": (("0F0 0RESHARD 0B0",), "rank 0, step 1, action 0RESHARD: stage 0 is not unsharded here"),
+    "RESHARD without UNSHARD": (
+        ("0F0 0RESHARD 0B0",),
+        "rank 0, step 1, action 0RESHARD: stage 0 is not unsharded here",
+    ),
 }
 
 
@@ -181,7 +184,7 @@ def test_every_generator_validates_compute_and_lowered(name: str) -> None:
 # --------------------------------------------------------------- reference executor, mutations
 def reference_finishes(schedule: Schedule) -> bool:
     """Naive fixed-point execution of docs/semantics.md (only for schedules that pass structure)."""
-    R, M, S = schedule.num_ranks, schedule.num_microbatches, schedule.num_stages
+    R, S = schedule.num_ranks, schedule.num_stages
     rank_of = schedule.stage_to_rank
     progs = [schedule.actions[r] for r in range(R)]
     lowered = any(a is not None and a.kind.is_comm for a in schedule.iter_actions())
@@ -205,12 +208,12 @@ def reference_finishes(schedule: Schedule) -> bool:
 
     peer: dict[tuple[int, int], tuple[int, int]] = {}
     by_msg: dict[tuple[str, int, int], tuple[int, int]] = {}
-    for (r, i) in group_of:
+    for r, i in group_of:
         a = progs[r][i]
         assert a is not None
         if a.kind in (K.SEND_F, K.SEND_B):
             by_msg[msg(a)] = (r, i)
-    for (r, i) in group_of:
+    for r, i in group_of:
         a = progs[r][i]
         assert a is not None
         if a.kind in (K.RECV_F, K.RECV_B):
@@ -258,7 +261,11 @@ def reference_finishes(schedule: Schedule) -> bool:
                     finished = set()
                     ok = True
                     for part in a.parts:
-                        key = ("F" if part.kind is K.F else "X" if part.kind in (K.B, K.I) else "W", part.stage, part.microbatch)
+                        key = (
+                            "F" if part.kind is K.F else "X" if part.kind in (K.B, K.I) else "W",
+                            part.stage,
+                            part.microbatch,
+                        )
                         saved = set(done)
                         done.update(finished)
                         ok = ready(part, r)

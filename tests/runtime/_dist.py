@@ -7,7 +7,9 @@ usually loops over cases itself. A rank's exception is re-raised here with its t
 from __future__ import annotations
 
 import os
+import queue
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -40,6 +42,8 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
     finally:
+        results.close()
+        results.join_thread()  # flush the result before leaving
         # Skip destroy_process_group: after an intended failure it may wait on dead peers.
         os._exit(0)
 
@@ -54,9 +58,19 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 1
         p.start()
     out: dict[int, Any] = {}
     errors: list[str] = []
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world):
-            rank, ok, value = results.get(timeout=timeout)
+        while len(out) + len(errors) < world:
+            try:
+                rank, ok, value = results.get(timeout=0.5)
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    errors.append(f"timed out after {timeout:g} s; ranks {sorted(out)} finished")
+                    break
+                if all(p.exitcode is not None for p in procs):
+                    errors.append(f"every rank exited; only ranks {sorted(out)} reported (a rank crashed)")
+                    break
+                continue
             if ok:
                 out[rank] = value
             else:

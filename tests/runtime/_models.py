@@ -43,7 +43,10 @@ def reference(
 ) -> tuple[list[nn.Module], list[torch.Tensor], torch.Tensor]:
     """Non-pipelined training on the whole batch: the mean of the microbatch losses, backward once."""
     model = nn.Sequential(*copy.deepcopy(layers))
-    losses = [loss_fn(model(xi), yi) for xi, yi in zip(x.tensor_split(n_microbatches), y.tensor_split(n_microbatches))]
+    losses = [
+        loss_fn(model(xi), yi)
+        for xi, yi in zip(x.tensor_split(n_microbatches), y.tensor_split(n_microbatches), strict=True)
+    ]
     torch.stack(losses).mean().backward()
     with torch.no_grad():
         out = model(x)

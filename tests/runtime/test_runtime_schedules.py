@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from _dist import run_ranks
 from _models import make_batch, make_layers, reference, stages_per_rank
 
@@ -37,14 +36,21 @@ def _check_all_schedules(rank: int, world: int, kinds: tuple[str, ...]) -> list[
             case = f"{name}/{kind}/{world} ranks"
             if name != "ForwardOnly":
                 for s in mine:
-                    for (pname, p), q in zip(layers[s].named_parameters(), ref_layers[s].parameters()):
-                        torch.testing.assert_close(p.grad, q.grad, msg=lambda e, c=case, s=s, n=pname: f"{c}: stage {s} {n}: {e}")
+                    for (pname, p), q in zip(layers[s].named_parameters(), ref_layers[s].parameters(), strict=True):
+                        torch.testing.assert_close(
+                            p.grad, q.grad, msg=lambda e, c=case, s=s, n=pname: f"{c}: stage {s} {n}: {e}"
+                        )
                     assert not stages[mine.index(s)].has_state(), case
             if is_last:
-                torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), msg=lambda e, c=case: f"{c}: {e}")
+                torch.testing.assert_close(
+                    torch.stack(losses), torch.stack(ref_losses), msg=lambda e, c=case: f"{c}: {e}"
+                )
                 torch.testing.assert_close(out, ref_out, msg=lambda e, c=case: f"{c}: output: {e}")
             else:
                 assert out is None and losses == [], case
+            merged = sched.gather_timeline()
+            assert merged is not None and {e.rank for e in merged.events} == set(range(world)), case
+            assert merged.start == 0 and merged.makespan > 0, case
             evaluated = sched.eval(*((x,) if is_first else ()))
             if is_last:
                 torch.testing.assert_close(evaluated, ref_out, msg=lambda e, c=case: f"{c}: eval: {e}")

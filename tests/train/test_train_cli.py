@@ -9,6 +9,7 @@ from pipetrain.cli import build_parser, main
 from pipetrain.errors import PipelineError
 from pipetrain.plan import ScheduleError, build_schedule
 from pipetrain.train.loop import TrainConfig, TrainResult, _agrees, _mismatch, plan_for, reference_losses
+from pipetrain.train.model import GPT
 
 TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
 
@@ -65,6 +66,13 @@ def test_check_verdict_names_the_first_differing_step() -> None:
     assert not _agrees(bad)
     assert _mismatch(bad) == "--check failed at step 2: pipelined loss 4.000000 vs plain 4.010000 (rtol 1e-04)"
     assert not _agrees(TrainResult(losses=[5.0], reference=[]))
+
+
+def test_the_model_grows_to_give_every_stage_a_layer() -> None:
+    cfg = TrainConfig(model="tiny")
+    assert cfg.model_config_for(3).n_layers == cfg.model_config.n_layers == 2
+    assert cfg.model_config_for(8).n_layers == 6
+    assert len(GPT(cfg.model_config_for(8)).split(8)) == 8
 
 
 def test_unknown_schedule_is_a_schedule_error() -> None:

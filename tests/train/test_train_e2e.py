@@ -44,7 +44,8 @@ def test_check_agrees_and_writes_timelines(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     assert [line.split()[1] for line in lines if line.startswith("step ")] == ["1/3", "2/3", "3/3"]
-    assert any(line.startswith("final loss ") for line in lines)
+    assert any(line.startswith("final loss ") and "held-out loss" in line for line in lines)
+    assert any(line.startswith("last step: measured ") and "simulated" in line for line in lines)
     check = [line for line in lines if line.startswith("check: ")]
     assert len(check) == 1 and check[0].endswith(": agree"), proc.stdout
     summary = json.loads((out / "summary.json").read_text())

@@ -27,6 +27,12 @@ def test_gpt_shapes_and_split_compose_exactly() -> None:
         torch.testing.assert_close(y, logits, rtol=0, atol=0)
 
 
+def test_gpt_split_by_measured_time() -> None:
+    model = GPT(TINY)
+    stages = model.split(3, by="time")
+    assert [k for s in stages for k in s.state_dict()] == list(model.state_dict())
+
+
 def test_gpt_too_many_stages_is_a_clear_error() -> None:
     model = GPT(TINY)
     with pytest.raises(ValueError, match=f"too few for {len(model) + 1} stages"):
@@ -105,3 +111,18 @@ def test_eval_batches_come_from_the_held_out_tail() -> None:
         data.batch(0, 1, 4, split="test")
     with pytest.raises(ValueError, match="too few"):
         TextData(torch.arange(10)).batch(0, 1, 20)
+
+
+def test_stage_checkpoints_reassemble_the_whole_model() -> None:
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    merged: dict[str, torch.Tensor] = {}
+    for stage in model.split(3):
+        state = stage.state_dict()
+        assert not merged.keys() & state.keys()
+        merged.update(state)
+    torch.manual_seed(1)
+    fresh = GPT(TINY)
+    fresh.load_state_dict(merged, strict=True)
+    x = torch.randint(0, 256, (2, TINY.seq_len))
+    torch.testing.assert_close(fresh(x), model(x), rtol=0, atol=0)

@@ -47,7 +47,7 @@ def register(subparsers: Any) -> None:
         "--microbatches",
         type=int,
         default=_DEFAULTS["microbatches"],
-        help="microbatches per step (default %(default)s)",
+        help="microbatches per step (default %(default)s; a schedule file sets its own)",
     )
     train.add_argument("--steps", type=int, default=_DEFAULTS["steps"], help="optimizer steps (default %(default)s)")
     train.add_argument(

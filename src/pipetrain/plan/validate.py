@@ -13,6 +13,7 @@ for. All checks are linear in the number of actions.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NoReturn
 
@@ -40,7 +41,7 @@ from pipetrain.plan.schedule import Schedule
 __all__ = ["validate"]
 
 _COMPLETENESS = "every (stage, microbatch) needs one F and either one B or one I and one W"
-_X_NONE, _X_B, _X_I = 0, 1, 2
+_X_B, _X_I = 1, 2  # x_kind codes (0: no B or I seen yet)
 
 
 def _where(rank: int, step: int, action: object) -> str:
@@ -143,7 +144,19 @@ def _scan(schedule: Schedule) -> _Index:
                         node_step[node] = step
                         continue
                 record(action, rank, step, action)
-            elif kind is I or kind is W or kind is B:
+            elif kind is W or kind is I:
+                s, m = action.stage, action.microbatch
+                if s < S and rank_of[s] == rank and m < M and not shard[s] & 2:  # type: ignore[operator]
+                    sm = s * M + m  # type: ignore[operator]
+                    node = 2 * SM + sm if kind is W else SM + sm
+                    if node_step[node] < 0 and (kind is W or not x_kind[sm]):
+                        node_step[node] = step
+                        if kind is I:
+                            x_kind[sm] = _X_I
+                        has_backward = True
+                        continue
+                record(action, rank, step, action)
+            elif kind is B:
                 record(action, rank, step, action)
             elif kind is OVERLAP:
                 for part in action.parts:
@@ -610,7 +623,7 @@ def _run_overlap(
     done: bytearray,
     prev_cross: list[bool],
     next_cross: list[bool],
-    later: object,
+    later: Callable[[int, int, Action, int], ScheduleError],
 ) -> int:
     """Run an OVERLAP_F_B if every part's inputs are there (earlier parts count); else the token it waits on."""
     ids, rank_of = index.ids, index.rank_of
@@ -633,7 +646,7 @@ def _run_overlap(
     pending = [t for t in needs if not done[t] and t not in own]
     for t in pending:
         if t < msg_base and rank_of[(t % SM) // M] == rank:
-            raise later(rank, step, action, t)  # type: ignore[operator]
+            raise later(rank, step, action, t)
     if pending:
         return pending[0]
     for node in own:

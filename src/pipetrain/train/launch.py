@@ -8,6 +8,7 @@ them into one :class:`PipelineError` in the caller.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from collections.abc import Callable
@@ -100,6 +101,8 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any) -> None:
     if nprocs < 1:
         raise PipelineError(f"need at least one rank, got {nprocs}")
     port = free_port()
+    # torch logs a warning per surviving process it stops after a failure; the error says enough.
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     try:
         start_processes(_child, args=(fn, nprocs, port, args), nprocs=nprocs, join=True, start_method="spawn")
     except ProcessRaisedException as err:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +58,11 @@ class TrainConfig:
         except KeyError:
             raise PipelineError(f"unknown model size {self.model!r}; choose one of {', '.join(MODEL_SIZES)}") from None
 
+    def model_config_for(self, num_stages: int) -> GPTConfig:
+        """The model size, with blocks added when there are more stages than layers (one layer each at least)."""
+        base = self.model_config
+        return replace(base, n_layers=max(base.n_layers, num_stages - 2))
+
 
 @dataclass
 class TrainResult:
@@ -66,6 +71,7 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
     reference: list[float] | None = None
+    eval_loss: float = float("nan")
     files: list[str] = field(default_factory=list)
 
 
@@ -97,7 +103,7 @@ def _train(env: DistEnv, cfg: TrainConfig, device: torch.device) -> TrainResult 
     schedule = plan_for(cfg, env.world_size)
     num_stages = schedule.num_stages
     last_stage = num_stages - 1
-    mcfg = cfg.model_config
+    mcfg = cfg.model_config_for(num_stages)
     torch.manual_seed(cfg.seed)
     model = GPT(mcfg)
     parts = model.split(num_stages)
@@ -110,6 +116,10 @@ def _train(env: DistEnv, cfg: TrainConfig, device: torch.device) -> TrainResult 
 
     reporting = last_stage in mine
     has_first = 0 in mine
+    if reporting and mcfg.n_layers > cfg.model_config.n_layers:
+        print(
+            f"model {cfg.model!r} grown to {mcfg.n_layers} blocks: one layer at least for each of {num_stages} stages"
+        )
     result = TrainResult() if reporting else None
     reporter = (
         StepReporter(cfg.steps, title=f"{schedule.name or 'schedule'} × {env.world_size} ranks") if reporting else None
@@ -136,19 +146,28 @@ def _train(env: DistEnv, cfg: TrainConfig, device: torch.device) -> TrainResult 
                 result.step_times.append(dt)
                 reporter.update(step, loss, tokens / dt)
         measured = _gather_timeline(sched, env, origin)
+        # Held-out loss: a forward-only pass of the same schedule (eval works on every schedule).
+        xe, ye = data.batch(0, cfg.batch_size, mcfg.seq_len, seed=cfg.seed, split="eval")
+        out = sched.eval(xe.to(device)) if has_first else sched.eval()
+        if reporting and result is not None:
+            result.eval_loss = float(lm_loss(out, ye.to(device)))
     finally:
         if reporter is not None:
             reporter.close()
 
     if reporting and result is not None:
-        print(f"final loss {result.losses[-1]:.4f} (first {result.losses[0]:.4f}) after {cfg.steps} steps", flush=True)
+        print(
+            f"final loss {result.losses[-1]:.4f} (first {result.losses[0]:.4f}) after {cfg.steps} steps; "
+            f"held-out loss {result.eval_loss:.4f}",
+            flush=True,
+        )
         if cfg.out:
             from pipetrain.train.outputs import write_outputs
 
             result.files = write_outputs(Path(cfg.out), schedule, measured, result, cfg, tokens)
             _report_outputs(Path(cfg.out), result.files)
         if cfg.check:
-            result.reference = reference_losses(cfg, device, schedule.num_microbatches)
+            result.reference = reference_losses(cfg, device, schedule.num_microbatches, num_stages)
             _report_check(result)
     dist.barrier()
     if reporting and result is not None and result.reference is not None and not _agrees(result):
@@ -205,13 +224,15 @@ def _gather_timeline(sched: Any, env: DistEnv, origin: float) -> Any:
     return Timeline(env.world_size, [e for part in gathered for e in part], source="measured", unit="s")
 
 
-def reference_losses(cfg: TrainConfig, device: torch.device, n_microbatches: int | None = None) -> list[float]:
+def reference_losses(
+    cfg: TrainConfig, device: torch.device, n_microbatches: int | None = None, num_stages: int = 1
+) -> list[float]:
     """The same model, init, data and optimizer trained without pipelining; one loss per step.
 
     The loss is the mean of the microbatch losses over the same split the pipeline uses, which
     equals the whole-batch mean when the batch divides evenly.
     """
-    mcfg = cfg.model_config
+    mcfg = cfg.model_config_for(num_stages)
     torch.manual_seed(cfg.seed)
     model: nn.Module = GPT(mcfg).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)

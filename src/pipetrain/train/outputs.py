@@ -100,6 +100,7 @@ def write_outputs(
         "device": cfg.device,
         "first_loss": result.losses[0],
         "final_loss": result.losses[-1],
+        "eval_loss": getattr(result, "eval_loss", None),
         "losses": result.losses,
         "tokens_per_s_last": tokens_per_step / result.step_times[-1],
     }
@@ -135,7 +136,9 @@ def _summary_md(s: dict[str, Any]) -> str:
         f"{s['ranks']} ranks, {s['stages']} stages, {s['microbatches']} microbatches, batch {s['batch_size']}, "
         f"model {s['model']} on {s['device']}, {s['steps']} steps.",
         "",
-        f"Loss {s['first_loss']:.4f} → {s['final_loss']:.4f}; last step {s['tokens_per_s_last']:,.0f} tokens/s.",
+        f"Loss {s['first_loss']:.4f} → {s['final_loss']:.4f}"
+        + (f" (held-out {s['eval_loss']:.4f})" if s.get("eval_loss") is not None else "")
+        + f"; last step {s['tokens_per_s_last']:,.0f} tokens/s.",
         "",
     ]
     if "measured_step_s" in s:

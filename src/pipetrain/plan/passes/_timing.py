@@ -39,11 +39,18 @@ def unit_time_starts(schedule: Schedule) -> list[list[int]]:
     Raises :class:`ScheduleError` (from :func:`~pipetrain.plan.validate.validate`, which names the
     stuck ranks) when the compute schedule cannot run to the end.
     """
+    return unit_time_run(schedule)[0]
+
+
+def unit_time_run(schedule: Schedule) -> tuple[list[list[int]], list[list[tuple[int, Action]]]]:
+    """:func:`unit_time_starts`, plus the compute actions bucketed by start time as ``(rank, action)``
+    pairs (the order within a time unit is that of the run: deterministic)."""
     ids = Ids(schedule.num_stages, schedule.num_microbatches)
     M, SM, S = ids.M, ids.SM, ids.S
     R = schedule.num_ranks
     programs = [schedule.actions[r] for r in range(R)]
     starts = [[-1] * len(p) for p in programs]
+    by_time: list[list[tuple[int, Action]]] = []
     end = [-1] * (3 * SM)
     free = [0] * R
     pc = [0] * R
@@ -118,6 +125,9 @@ def unit_time_starts(schedule: Schedule) -> list[list[int]]:
                     waiting.setdefault(missing, []).append(r)
                     break
                 row[i] = t0
+                while len(by_time) <= t0:
+                    by_time.append([])
+                by_time[t0].append((r, a))
                 t0 += 1
                 for node in own:
                     end[node] = t0
@@ -130,6 +140,12 @@ def unit_time_starts(schedule: Schedule) -> list[list[int]]:
                 i += 1
                 continue
             row[i] = t0
+            if t0 < len(by_time):
+                by_time[t0].append((r, a))
+            else:
+                while len(by_time) < t0:
+                    by_time.append([])
+                by_time.append([(r, a)])
             t0 += 1
             end[node] = t0
             if waiting:
@@ -144,4 +160,4 @@ def unit_time_starts(schedule: Schedule) -> list[list[int]]:
 
         validate(schedule)
         raise ScheduleError("the compute schedule cannot run to the end; validate() it for details")
-    return starts
+    return starts, by_time

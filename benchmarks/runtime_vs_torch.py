@@ -1,0 +1,146 @@
+"""Step time of pipetrain beside torch.distributed.pipelining: same schedule, model and ranks.
+
+Two gloo ranks on 127.0.0.1, one thread each. For each schedule and model size the two runtimes
+get identical copies of the model and the same batch, and their steps alternate in one run (so
+machine noise hits both alike). Prints the median step time of each and the ratio
+pipetrain / torch: below 1 means pipetrain is faster.
+
+    python benchmarks/runtime_vs_torch.py [--steps 40] [--warmup 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import socket
+import statistics
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+SCHEDULES = {"1F1B": 1, "Interleaved1F1B": 2, "ZBVZeroBubble": 2}
+# name: (width, layers per stage, batch, microbatches)
+MODELS = {"small (overhead-bound)": (16, 1, 16, 8), "large (compute-bound)": (512, 4, 256, 8)}
+
+
+def _layers(width: int, per_stage: int, num_stages: int) -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [
+        nn.Sequential(*[m for _ in range(per_stage) for m in (nn.Linear(width, width), nn.ReLU())])
+        for _ in range(num_stages)
+    ]
+
+
+def _placement(name: str, world: int, v: int) -> dict[int, int]:
+    from pipetrain.plan import build_schedule
+
+    return build_schedule(name, world, 8, v).stage_to_rank
+
+
+def _bench(
+    rank: int,
+    world: int,
+    port: int,
+    steps: int,
+    warmup: int,
+    results: mp.Queue[object],
+    schedules: dict[str, int],
+    models: dict[str, tuple[int, int, int, int]],
+) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=300)
+    )
+    import torch.distributed.pipelining as tpp
+
+    import pipetrain
+
+    rows = []
+    loss_fn = nn.functional.mse_loss
+    for model_name, (width, per_stage, batch, m) in models.items():
+        for name, v in schedules.items():
+            num_stages = world * v
+            placement = _placement(name, world, v)
+            mine = sorted(s for s, r in placement.items() if r == rank)
+            layers = _layers(width, per_stage, num_stages)
+            ours_layers = [copy.deepcopy(layers[s]) for s in mine]
+            torch_layers = [copy.deepcopy(layers[s]) for s in mine]
+            ours_stages = [
+                pipetrain.PipelineStage(mod, s, num_stages, "cpu") for mod, s in zip(ours_layers, mine, strict=True)
+            ]
+            torch_stages = [
+                tpp.PipelineStage(mod, s, num_stages, torch.device("cpu"))
+                for mod, s in zip(torch_layers, mine, strict=True)
+            ]
+            ours_cls = pipetrain.get_schedule_class(name)
+            torch_cls = tpp.schedules.get_schedule_class(name)
+            ours = ours_cls(ours_stages if v > 1 else ours_stages[0], m, loss_fn=loss_fn)
+            theirs = torch_cls(torch_stages if v > 1 else torch_stages[0], m, loss_fn=loss_fn)
+            g = torch.Generator().manual_seed(1)
+            x = torch.randn(batch, width, generator=g)
+            y = torch.randn(batch, width, generator=g)
+            first, last = 0 in mine, num_stages - 1 in mine
+            args = (x,) if first else ()
+            target = y if last else None
+            times: dict[str, list[float]] = {"torch": [], "pipetrain": []}
+            for i in range(warmup + steps):
+                for label, sched, mods in (("torch", theirs, torch_layers), ("pipetrain", ours, ours_layers)):
+                    for mod in mods:
+                        mod.zero_grad(set_to_none=True)
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    sched.step(*args, target=target)
+                    elapsed = time.perf_counter() - t0
+                    if i >= warmup:
+                        times[label].append(elapsed)
+            # Both ranks' times matter: a step ends when the slowest rank ends.
+            local = torch.tensor(
+                [statistics.median(times["torch"]), statistics.median(times["pipetrain"])], dtype=torch.float64
+            )
+            dist.all_reduce(local, op=dist.ReduceOp.MAX)
+            rows.append((model_name, name, float(local[0]), float(local[1])))
+    if rank == 0:
+        results.put(rows)
+    dist.barrier()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated subset")
+    parser.add_argument("--models", default="small,large", help="small, large or both")
+    opts = parser.parse_args()
+    for key in list(SCHEDULES):
+        if key not in opts.schedules.split(","):
+            del SCHEDULES[key]
+    for key in list(MODELS):
+        if key.split()[0] not in opts.models.split(","):
+            del MODELS[key]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    ctx = mp.get_context("spawn")
+    results: mp.Queue[object] = ctx.Queue()
+    procs = [
+        ctx.Process(target=_bench, args=(r, 2, port, opts.steps, opts.warmup, results, SCHEDULES, MODELS))
+        for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    rows = results.get()
+    for p in procs:
+        p.join()
+    print(f"{'model':<24} {'schedule':<16} {'torch ms':>9} {'pipetrain ms':>13} {'ratio':>6}")
+    for model_name, name, t_torch, t_ours in rows:  # type: ignore[union-attr]
+        print(f"{model_name:<24} {name:<16} {t_torch * 1e3:9.2f} {t_ours * 1e3:13.2f} {t_ours / t_torch:6.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""Data parallel × pipeline: 2 pipeline × 2 data-parallel gloo ranks, with DDP and with FSDP2."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from _dist import run_ranks
+from _models import make_batch, mlp_layers
+
+pytestmark = pytest.mark.slow
+
+
+def _dp_cases(rank: int, world: int) -> list[str]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    from torch.nn.parallel import DistributedDataParallel
+
+    from pipetrain import PipelineStage, get_schedule_class
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp_group = mesh["pp"].get_group()
+    dp_mesh = mesh["dp"]
+    pp_rank = mesh["pp"].get_local_rank()
+    dp_rank = mesh["dp"].get_local_rank()
+    m = 2
+    done = []
+    for wrap in ("ddp", "fsdp"):
+        for name in ("1F1B", "ZBVZeroBubble"):
+            v = 2 if name == "ZBVZeroBubble" else 1
+            num_stages = 2 * v
+            layers = mlp_layers(num_stages)
+            # Plain data-parallel reference: the mean over replicas of each replica's mean microbatch loss.
+            ref = nn.Sequential(*copy.deepcopy(layers))
+            shards = [make_batch("mlp", 4 * m, seed=10 + r) for r in range(2)]
+            total = []
+            for x, y in shards:
+                for xi, yi in zip(x.tensor_split(m), y.tensor_split(m), strict=True):
+                    total.append(nn.functional.mse_loss(ref(xi), yi))
+            torch.stack(total).mean().backward()
+
+            placement = {0: 0, 1: 1} if v == 1 else {0: 0, 3: 0, 1: 1, 2: 1}
+            mine = sorted(s for s, r in placement.items() if r == pp_rank)
+            stages = []
+            for s in mine:
+                module: nn.Module = layers[s]
+                if wrap == "ddp":
+                    module = DistributedDataParallel(module, process_group=dp_mesh.get_group())
+                else:
+                    fully_shard(module, mesh=dp_mesh)
+                stages.append(PipelineStage(module, s, num_stages, "cpu", group=pp_group))
+            sched = get_schedule_class(name)(stages, m, loss_fn=nn.functional.mse_loss)
+            ops = {str(a) for a in sched.schedule.actions[pp_rank] if a is not None}
+            assert any("REDUCE_GRAD" in o for o in ops), ops
+            assert (wrap == "fsdp") == any("UNSHARD" in o for o in ops), ops
+            x, y = shards[dp_rank]
+            first, last = 0 in mine, num_stages - 1 in mine
+            sched.step(*((x,) if first else ()), target=y if last else None)
+            case = f"{wrap}/{name}"
+            for s in mine:
+                for (pname, p), q in zip(layers[s].named_parameters(), list(ref)[s].parameters(), strict=True):
+                    grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                    torch.testing.assert_close(
+                        grad, q.grad, msg=lambda e, c=case, s=s, n=pname: f"{c} stage {s} {n}: {e}"
+                    )
+            done.append(case)
+    return done
+
+
+def test_pipeline_times_data_parallel_matches_plain_data_parallel() -> None:
+    results = run_ranks(_dp_cases, 4, timeout=240)
+    assert all(len(r) == 4 for r in results)
