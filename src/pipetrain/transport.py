@@ -243,17 +243,29 @@ class DistTransport:
     def wait(self, handle: RecvHandle) -> Any:
         """The received object; blocks (watching for failures elsewhere) until it has arrived."""
         queue = self._unresolved.get(handle.peer)
+        if not handle.resolved and handle.cached is not None:
+            # Steady state: everything was posted early; wait for this message alone.
+            self._wait_early(handle)
+            assert handle.header is not None
+            if int(handle.header[0]) == _SAME and queue is not None:
+                queue.remove(handle)
+                self._resolve(handle)
+        # A new layout travels on the second tag, which both sides use in posting order.
         while not handle.resolved and queue:
             self._resolve(queue.popleft())
         value = handle.value
         handle.value = None
         return value
 
+    def _wait_early(self, handle: RecvHandle) -> None:
+        # The early receives (header and remembered layout) complete either way: dummies match them.
+        self.waiter.wait(handle.works, f"{handle.what} from rank {handle.peer}")
+        handle.works = []
+
     def _resolve(self, handle: RecvHandle) -> None:
         header = handle.header
         assert header is not None
-        # The early receives (header and remembered layout) complete either way: dummies match them.
-        self.waiter.wait(handle.works, f"{handle.what} from rank {handle.peer}")
+        self._wait_early(handle)
         if int(header[0]) == _SAME and handle.cached is not None:
             layout, tensors = handle.cached, handle.buffers
         else:

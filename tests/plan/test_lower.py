@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipetrain.plan import Action, ActionKind, Schedule, ScheduleError, build_schedule, schedule_names
 from pipetrain.plan.lower import add_communication, add_fsdp, add_grad_reduction, lower, merge_input_weight
@@ -203,3 +207,66 @@ def test_merge_input_weight_on_zero_bubble(name: str) -> None:
         after = compute_only(merged.actions[r])
         merges = sum(1 for a in after if a.kind is K.B) - sum(1 for a in before if a.kind is K.B)
         assert len(before) - len(after) == merges
+
+
+def random_schedule(rng: random.Random, num_ranks: int, num_stages: int, num_mb: int, mode: str) -> Schedule:
+    """A random deadlock-free compute schedule: per-rank lists cut from a random topological order.
+
+    ``mode``: "forward" (F only), "full" (F, B) or "split" (F, I, W), or "mixed" (B or I+W per pair).
+    Stages are placed on random ranks (every rank gets at least one), so neighbours may share a rank.
+    """
+    placement = {s: s % num_ranks for s in range(num_stages)}
+    free = list(range(num_ranks, num_stages))
+    for s in free:
+        placement[s] = rng.randrange(num_ranks)
+    split = {
+        (s, m): mode == "split" or (mode == "mixed" and rng.random() < 0.5)
+        for s in range(num_stages)
+        for m in range(num_mb)
+    }
+    done: set[tuple[str, int, int]] = set()
+    todo: set[tuple[str, int, int]] = {("F", s, m) for s in range(num_stages) for m in range(num_mb)}
+    if mode != "forward":
+        for (s, m), is_split in split.items():
+            todo |= {("I", s, m), ("W", s, m)} if is_split else {("B", s, m)}
+
+    def ready(kind: str, s: int, m: int) -> bool:
+        if kind == "F":
+            return s == 0 or ("F", s - 1, m) in done
+        if kind == "W":
+            return ("I", s, m) in done
+        up = s == num_stages - 1 or ("B", s + 1, m) in done or ("I", s + 1, m) in done
+        return ("F", s, m) in done and up
+
+    programs: dict[int, list[Action | None]] = {r: [] for r in range(num_ranks)}
+    while todo:
+        choice = rng.choice(sorted(a for a in todo if ready(*a)))
+        todo.remove(choice)
+        done.add(choice)
+        kind, s, m = choice
+        programs[placement[s]].append(Action(s, ActionKind(kind), m))
+        if rng.random() < 0.1:
+            programs[placement[s]].append(None)
+    return Schedule(programs, num_stages=num_stages, num_microbatches=num_mb, stage_to_rank=placement)
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    num_ranks=st.integers(1, 5),
+    extra_stages=st.integers(0, 6),
+    num_mb=st.integers(1, 5),
+    mode=st.sampled_from(["forward", "full", "split", "mixed"]),
+)
+def test_random_valid_schedules_lower_to_valid_schedules(
+    seed: int, num_ranks: int, extra_stages: int, num_mb: int, mode: str
+) -> None:
+    """Any placement (neighbouring stages on one rank included), any valid order: lowering validates."""
+    s = random_schedule(random.Random(seed), num_ranks, num_ranks + extra_stages, num_mb, mode)
+    s.validate()
+    low = s.lower(grad_reduce=mode != "forward", fsdp=True, prefetch=seed % 3, merge_iw=seed % 2 == 0)
+    low.validate()
+    plain = s.lower()
+    plain.validate()
+    for r in range(s.num_ranks):
+        assert compute_only(plain.actions[r]) == compute_only(s.actions[r])

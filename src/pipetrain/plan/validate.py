@@ -488,19 +488,8 @@ def _execute(index: _Index, comm: _CommPlan | None) -> None:
         group_ops, group_rank, rank_groups, op_group, peer, token = [], [], [], [], [], []
         remaining, started = [], bytearray()
 
-    def complete(op: int) -> None:
-        g = op_group[op]
-        remaining[g] -= 1
-        t = token[op]
-        if t >= 0:
-            done[t] = 1
-            woken = waiting.pop(t, None)
-            if woken:
-                queue.extend(woken)
-        if not remaining[g]:
-            queue.append(group_rank[g])
-
     def start_groups(rank: int) -> None:
+        """Start this rank's issued groups in order while the one before has ended."""
         groups = rank_groups[rank]
         h = head[rank]
         while h < issued[rank]:
@@ -509,9 +498,19 @@ def _execute(index: _Index, comm: _CommPlan | None) -> None:
                 started[g] = 1
                 for op in group_ops[g]:
                     other = peer[op]
-                    if started[op_group[other]]:
-                        complete(op)
-                        complete(other)
+                    og = op_group[other]
+                    if started[og]:
+                        # Both ends posted: the pair completes; the RECV delivers its message.
+                        remaining[g] -= 1
+                        remaining[og] -= 1
+                        t = token[op] if token[op] >= 0 else token[other]
+                        done[t] = 1
+                        if waiting:
+                            woken = waiting.pop(t, None)
+                            if woken:
+                                queue.extend(woken)
+                        if not remaining[og]:
+                            queue.append(group_rank[og])
             if remaining[g]:
                 break
             h += 1

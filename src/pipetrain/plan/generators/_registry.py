@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pipetrain.plan.errors import ScheduleError
+from pipetrain.plan.passes._graph import gc_paused
 from pipetrain.plan.schedule import Schedule
 
 Builder = Callable[[int, int, int | None], Schedule]
@@ -68,6 +69,7 @@ def build_schedule(name: str, num_ranks: int, num_microbatches: int, stages_per_
         isinstance(stages_per_rank, bool) or not isinstance(stages_per_rank, int) or stages_per_rank < 1
     ):
         raise ScheduleError(f"{fam.name}: stages_per_rank must be an integer >= 1, got {stages_per_rank!r}")
-    schedule = fam.build(num_ranks, num_microbatches, stages_per_rank)
+    with gc_paused():  # hundreds of thousands of small acyclic objects at scale
+        schedule = fam.build(num_ranks, num_microbatches, stages_per_rank)
     schedule.name = fam.name
     return schedule
