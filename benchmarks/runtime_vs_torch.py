@@ -104,10 +104,12 @@ def _bench(
                         cpu[label].append(time.process_time() - c0)
             # Both ranks' times matter: a step ends when the slowest rank ends.
             local = torch.tensor(
-                [statistics.median(times["torch"]), statistics.median(times["pipetrain"])], dtype=torch.float64
+                [statistics.median(times[k]) for k in ("torch", "pipetrain")]
+                + [statistics.median(cpu[k]) for k in ("torch", "pipetrain")],
+                dtype=torch.float64,
             )
             dist.all_reduce(local, op=dist.ReduceOp.MAX)
-            rows.append((model_name, name, float(local[0]), float(local[1])))
+            rows.append((model_name, name, *(float(v) for v in local)))
     if rank == 0:
         results.put(rows)
     dist.barrier()

@@ -110,6 +110,8 @@ class _Program:
         self.num_stages = num_stages
         self.comm = comm
         self.action: Action | None = None
+        self.program: Sequence[Action | None] = ()
+        self.pos = 0
         self.step_index = -1
         self.events: list[tuple[Action, int, int]] = []
         self._reset()
@@ -156,6 +158,8 @@ class _Program:
         self.train = train
         self.keep_outputs = keep_outputs
         profiling = torch.autograd.profiler._is_profiler_enabled
+        self.program = program
+        self.pos = 0
         i = 0
         n = len(program)
         events = self.events
@@ -171,12 +175,14 @@ class _Program:
                 while j < n and (program[j] is None or program[j].kind.is_comm):  # type: ignore[union-attr]
                     j += 1
                 batch = [a for a in program[i:j] if a is not None]
+                self.pos = i
                 t0 = clock()
                 with _Label(profiling, batch):
                     self._post(batch)
                 t1 = clock()
                 events.extend((a, t0, t1) for a in batch)
                 i = j
+                self.pos = j
                 continue
             self.comm.poll()
             yield from self._wait_inputs(action)
@@ -190,7 +196,21 @@ class _Program:
                     self._compute(action)
             events.append((action, t0, clock()))
             i += 1
+            self.pos = i
         self.action = None
+        self.pos = n
+
+    def unsent(self) -> list[tuple[tuple[str, int, int], int]]:
+        """``(message key, peer)`` of the SEND actions this step has not posted yet."""
+        out = []
+        for action in self.program[self.pos :]:
+            if action is None or action.microbatch is None:
+                continue
+            if action.kind is _K.SEND_F:
+                out.append((("F", action.stage, action.microbatch), self.stage_to_rank[action.stage + 1]))
+            elif action.kind is _K.SEND_B:
+                out.append((("B", action.stage, action.microbatch), self.stage_to_rank[action.stage - 1]))
+        return out
 
     def _wait_inputs(self, action: Action) -> Generator[None, None, None]:
         for part in action.parts:
@@ -527,9 +547,20 @@ class PipelineScheduleRuntime:
         self._failure = self._failure_channel()
         try:
             self.schedule = prepare_schedule(schedule, **self._lower_options)
+        except PipelineError as err:  # every rank refuses the same schedule, before any communication
+            self._report(f"rank {self.rank} failed while building the runtime: {err}")
+            raise
+        try:
             self._check_stages(self.schedule)
         except PipelineError as err:
+            # The other ranks will run their first step: wake those waiting for this rank's messages.
             self._report(f"rank {self.rank} failed while building the runtime: {err}")
+            notices = DistTransport(self.group, self._stage_list[0].device, self._failure, self._new_waiter())
+            first = _Program(
+                self.rank, self.stages, self.schedule.stage_to_rank, self.schedule.num_stages, _DistComm(notices)
+            )
+            first.program = self.schedule.actions[self.rank]
+            notices.poison(first.unsent())
             raise
         self.n_microbatches = self.schedule.num_microbatches
         self._forward_only = not any(
@@ -540,7 +571,7 @@ class PipelineScheduleRuntime:
         )
         self._eval_schedule: Schedule | None = None
         self._waiter = self._new_waiter()
-        self._transport = DistTransport(self.group, self._stage_list[0].device, self._failure, self._waiter)  # type: ignore[arg-type]
+        self._transport = DistTransport(self.group, self._stage_list[0].device, self._failure, self._waiter)
         self._program = _Program(
             self.rank, self.stages, self.schedule.stage_to_rank, self.schedule.num_stages, _DistComm(self._transport)
         )
@@ -644,6 +675,8 @@ class PipelineScheduleRuntime:
         program = self._program
         program.step_index = step_index
         program.action = None
+        program.program = schedule.actions[self.rank]  # what a failure before the first action must cancel
+        program.pos = 0
         n = self.n_microbatches
         t_start = time.perf_counter_ns()
         try:
@@ -719,6 +752,8 @@ class PipelineScheduleRuntime:
             message = f"{where}: {type(exc).__name__}: {exc}"
         if not remote:
             self._report(message if message.startswith("rank ") else f"rank {self.rank}: {message}")
+        # Wake whoever waits for a message of ours (after the report, so they can read it).
+        self._transport.poison(program.unsent())
         # Pending operations can never complete now: start afresh (the parked threads stay asleep).
         self._transport.reset()
         self._waiter.close()

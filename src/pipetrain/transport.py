@@ -4,17 +4,17 @@ A message is any pytree of tensors and plain values (a tensor, a tuple, a dict, 
 gradients with ``None`` holes). Shapes, dtypes, ``requires_grad`` and structure travel with it,
 so shapes may change between steps and between microbatches:
 
-* Every message starts with a small int64 header. Both sides remember the layout of the last
-  message sent under the same key (source stage, direction, microbatch), so in the steady state
-  the receiver posts the payload receives together with the header, before the data is needed,
-  and no extra round trip happens.
-* When the layout changed (or on the first step) the header says so; the sender then also sends
-  zero-filled "dummy" tensors matching the remembered layout (so the receives posted early are
-  matched), the new layout as a byte string, and the tensors on a second tag. The receiver
-  resolves messages from one peer in posting order, so both tags stay matched first in, first out.
+* A message is one flat byte buffer: a small int64 header, then the tensors. Both sides remember
+  the layout of the last message under the same key (source stage, direction, microbatch), so in
+  the steady state the receiver posts a receive of the right size at its RECV action, before the
+  data is needed, and one operation carries the whole transfer.
+* When the layout changed (or on the first step) the header says so; the sender fills the
+  receive posted early with that notice, then sends the new layout as a byte string and the
+  packed tensors on a second tag. The receiver resolves messages from one peer in posting order,
+  so both tags stay matched first in, first out (gloo matches by tag).
 
 ``DistTransport`` uses ``torch.distributed`` point-to-point operations; receives are waited on
-only right before use and sends complete in the background (see :mod:`pipetrain._waiting`).
+only right before use and sends complete in the background (see :class:`Waiter`).
 ``LocalTransport`` hands objects over in memory for :class:`pipetrain.local.LocalPipeline`.
 """
 
@@ -25,8 +25,9 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -48,7 +49,7 @@ __all__ = [
 
 Key = Hashable
 _HEADER = 4  # [flag, layout bytes, 0, 0]
-_SAME, _NEW = 0, 1
+_SAME, _NEW, _FAIL = 0, 1, 2
 _TAG_STEADY, _TAG_NEW = 0, 1
 
 
@@ -128,8 +129,60 @@ def rebuild(layout: Layout, tensors: list[torch.Tensor]) -> Any:
     return tree_unflatten(leaves, layout.spec)
 
 
-def _empty(layout: Layout, device: torch.device) -> list[torch.Tensor]:
-    return [torch.empty(shape, dtype=dtype, device=device) for dtype, shape, _ in layout.tensors]
+_ALIGN = 16
+_NOTICES: list[Any] = []  # failure notices in flight: kept alive for the life of the process
+
+
+def _slots(layout: Layout | None) -> tuple[list[tuple[int, int]], int]:
+    """Byte offset and size of each tensor in a packed message, and the message size."""
+    offset = _HEADER * 8
+    slots: list[tuple[int, int]] = []
+    if layout is not None:
+        for dtype, shape, _ in layout.tensors:
+            numel = 1
+            for d in shape:
+                numel *= d
+            nbytes = numel * _itemsize(dtype)
+            slots.append((offset, nbytes))
+            offset += -(-nbytes // _ALIGN) * _ALIGN
+    return slots, offset
+
+
+_ITEMSIZE: dict[torch.dtype, int] = {}
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    size = _ITEMSIZE.get(dtype)
+    if size is None:
+        size = _ITEMSIZE[dtype] = torch.empty((), dtype=dtype).element_size()
+    return size
+
+
+def _pack(
+    flag: int, extra: int, layout: Layout | None, tensors: list[torch.Tensor], device: torch.device
+) -> torch.Tensor:
+    """One flat byte buffer: the int64 header, then each tensor at an aligned offset."""
+    slots, total = _slots(layout)
+    flat = torch.empty(total, dtype=torch.uint8, device=device)
+    header = flat[: _HEADER * 8].view(torch.int64)
+    header.zero_()
+    header[0] = flag
+    header[1] = extra
+    for t, (offset, nbytes) in zip(tensors, slots, strict=False):
+        if nbytes:
+            flat[offset : offset + nbytes].view(t.dtype).view(t.shape).copy_(t)
+    return flat
+
+
+def _unpack(flat: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
+    """Views of the tensors in a packed message (no copy)."""
+    slots, _ = _slots(layout)
+    return [
+        flat[offset : offset + nbytes].view(dtype).view(shape)
+        if nbytes
+        else torch.empty(shape, dtype=dtype, device=flat.device)
+        for (dtype, shape, _), (offset, nbytes) in zip(layout.tensors, slots, strict=True)
+    ]
 
 
 @dataclass
@@ -139,10 +192,9 @@ class RecvHandle:
     key: Key
     peer: int
     what: str
-    header: torch.Tensor | None = None
+    flat: torch.Tensor | None = None
     works: list[Any] = field(default_factory=list)
     cached: Layout | None = None
-    buffers: list[torch.Tensor] = field(default_factory=list)
     resolved: bool = False
     value: Any = None
 
@@ -166,9 +218,14 @@ class RecvItem:
 
 
 class DistTransport:
-    """Point-to-point messages between the ranks of ``group`` (group ranks throughout)."""
+    """Point-to-point messages between the ranks of ``group`` (group ranks throughout).
 
-    def __init__(self, group: Any, device: torch.device, failure: FailureChannel, waiter: Waiter) -> None:
+    A message is one flat byte buffer (header and tensors packed together): one operation per
+    transfer, whatever the number of tensors. Packing copies the sent tensors, so a sent output
+    may be freed as soon as it is posted.
+    """
+
+    def __init__(self, group: Any, device: torch.device, failure: FailureChannel | None, waiter: Waiter) -> None:
         self.group = group
         self.device = device
         self.failure = failure
@@ -196,47 +253,35 @@ class DistTransport:
         for handle in handles:
             handle.works = [works[i] for i in handle.works]
         for start, end, item, keep in sends:
-            self.waiter.background(works[start:end], keep, item.on_done, f"{item.what} to rank {item.peer}")
+            self.waiter.background(works[start:end], keep, None, f"{item.what} to rank {item.peer}")
+            if item.on_done is not None:
+                item.on_done()  # the data was copied into the message
         return handles
 
     def _send_ops(self, item: SendItem, ops: list[dist.P2POp]) -> list[torch.Tensor]:
         layout, tensors = layout_of(item.obj)
-        tensors = [t.detach().contiguous() for t in tensors]
-        header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
+        tensors = [t.detach() for t in tensors]
         old = self._sent.get(item.key)
-        keep: list[torch.Tensor] = [header]
         if old is not None and _same(old, layout):
-            ops.append(self._op(dist.isend, header, item.peer, _TAG_STEADY))
-            ops.extend(self._op(dist.isend, t, item.peer, _TAG_STEADY) for t in tensors)
-            keep.extend(tensors)
-            return keep
+            flat = _pack(_SAME, 0, layout, tensors, self.device)
+            ops.append(self._op(dist.isend, flat, item.peer, _TAG_STEADY))
+            return [flat]
+        # The receiver posted a message of the remembered size: fill it, then send the new layout.
         encoded = layout.encode().to(self.device)
-        header[0] = _NEW
-        header[1] = encoded.numel()
-        ops.append(self._op(dist.isend, header, item.peer, _TAG_STEADY))
-        if old is not None:
-            dummies = [torch.zeros(shape, dtype=dtype, device=self.device) for dtype, shape, _ in old.tensors]
-            ops.extend(self._op(dist.isend, t, item.peer, _TAG_STEADY) for t in dummies)
-            keep.extend(dummies)
+        notice = _pack(_NEW, encoded.numel(), old, [], self.device)
+        payload = _pack(_NEW, 0, layout, tensors, self.device)
+        ops.append(self._op(dist.isend, notice, item.peer, _TAG_STEADY))
         ops.append(self._op(dist.isend, encoded, item.peer, _TAG_NEW))
-        ops.extend(self._op(dist.isend, t, item.peer, _TAG_NEW) for t in tensors)
-        keep.append(encoded)
-        keep.extend(tensors)
+        ops.append(self._op(dist.isend, payload, item.peer, _TAG_NEW))
         self._sent[item.key] = layout
-        return keep
+        return [notice, encoded, payload]
 
     def _recv_ops(self, item: RecvItem, ops: list[dist.P2POp]) -> RecvHandle:
-        header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-        handle = RecvHandle(item.key, item.peer, item.what, header=header)
-        handle.cached = self._received.get(item.key)
-        index = [len(ops)]
-        ops.append(self._op(dist.irecv, header, item.peer, _TAG_STEADY))
-        if handle.cached is not None:
-            handle.buffers = _empty(handle.cached, self.device)
-            for buf in handle.buffers:
-                index.append(len(ops))
-                ops.append(self._op(dist.irecv, buf, item.peer, _TAG_STEADY))
-        handle.works = index  # replaced by the Work objects once posted
+        cached = self._received.get(item.key)
+        flat = torch.empty(_slots(cached)[1], dtype=torch.uint8, device=self.device)
+        handle = RecvHandle(item.key, item.peer, item.what, flat=flat, cached=cached)
+        handle.works = [len(ops)]  # replaced by the Work objects once posted
+        ops.append(self._op(dist.irecv, flat, item.peer, _TAG_STEADY))
         self._unresolved.setdefault(item.peer, deque()).append(handle)
         return handle
 
@@ -244,10 +289,9 @@ class DistTransport:
         """The received object; blocks (watching for failures elsewhere) until it has arrived."""
         queue = self._unresolved.get(handle.peer)
         if not handle.resolved and handle.cached is not None:
-            # Steady state: everything was posted early; wait for this message alone.
+            # Steady state: the message was posted early; wait for it alone.
             self._wait_early(handle)
-            assert handle.header is not None
-            if int(handle.header[0]) == _SAME and queue is not None:
+            if self._flag(handle) == _SAME and queue is not None:
                 queue.remove(handle)
                 self._resolve(handle)
         # A new layout travels on the second tag, which both sides use in posting order.
@@ -257,31 +301,55 @@ class DistTransport:
         handle.value = None
         return value
 
+    @staticmethod
+    def _flag(handle: RecvHandle) -> int:
+        assert handle.flat is not None
+        return int(handle.flat[0])  # the flag is the low byte of the first header word
+
     def _wait_early(self, handle: RecvHandle) -> None:
-        # The early receives (header and remembered layout) complete either way: dummies match them.
-        self.waiter.wait(handle.works, f"{handle.what} from rank {handle.peer}")
+        what = f"{handle.what} from rank {handle.peer}"
+        self.waiter.wait(handle.works, what)
         handle.works = []
+        if self._flag(handle) == _FAIL:
+            failure = self.failure
+            story = None if failure is None else failure.check()
+            because = story or f"rank {handle.peer} failed (see its error)"
+            raise RemoteFailureError(f"{self.waiter.where()}: stopped while waiting for {what} because {because}")
+
+    def poison(self, sends: Sequence[tuple[Key, int]]) -> None:
+        """Wake the peers waiting for our messages ``(key, peer)`` with failure notices; never waits.
+
+        Each notice has the size the receiver posted for that key (both sides remember the same
+        layouts), so it completes the receive the peer is blocked in.
+        """
+        ops = []
+        for key, peer in sends:
+            notice = _pack(_FAIL, 0, self._sent.get(key), [], self.device)
+            ops.append(self._op(dist.isend, notice, peer, _TAG_STEADY))
+        if ops:
+            try:
+                _NOTICES.extend(dist.batch_isend_irecv(ops))
+            except Exception:  # the connection may already be gone; the peers then see it closed
+                pass
 
     def _resolve(self, handle: RecvHandle) -> None:
-        header = handle.header
-        assert header is not None
         self._wait_early(handle)
+        flat = handle.flat
+        assert flat is not None
+        header = flat[: _HEADER * 8].view(torch.int64)
         if int(header[0]) == _SAME and handle.cached is not None:
-            layout, tensors = handle.cached, handle.buffers
+            layout = handle.cached
         else:
+            what = f"{handle.what} from rank {handle.peer}"
             encoded = torch.empty(int(header[1]), dtype=torch.uint8, device=self.device)
-            self.waiter.wait([dist.irecv(encoded, group=self.group, group_src=handle.peer, tag=_TAG_NEW)], handle.what)
+            self.waiter.wait([dist.irecv(encoded, group=self.group, group_src=handle.peer, tag=_TAG_NEW)], what)
             layout = Layout.decode(encoded)
-            tensors = _empty(layout, self.device)
-            ops = [self._op(dist.irecv, t, handle.peer, _TAG_NEW) for t in tensors]
-            if ops:
-                self.waiter.wait(dist.batch_isend_irecv(ops), f"{handle.what} from rank {handle.peer}")
+            flat = torch.empty(_slots(layout)[1], dtype=torch.uint8, device=self.device)
+            self.waiter.wait([dist.irecv(flat, group=self.group, group_src=handle.peer, tag=_TAG_NEW)], what)
             self._received[handle.key] = layout
-        handle.value = rebuild(layout, tensors)
+        handle.value = rebuild(layout, _unpack(flat, layout))
         handle.resolved = True
-        handle.works = []
-        handle.buffers = []
-        handle.header = None
+        handle.flat = None
 
     def finish(self) -> None:
         """Block until every send of the step has completed (watching for failures)."""
@@ -398,10 +466,11 @@ def _serve(jobs: queue.SimpleQueue[_Job | None], finished: deque[_Job] | None) -
 class Waiter:
     """Waits on ``torch.distributed`` work without ever blocking past a failure elsewhere.
 
-    A gloo wait cannot be interrupted and a timed-out one breaks the connection, so the blocking
-    wait runs on a helper thread while the calling thread polls the failure channel and the
-    deadline. Sends are waited on by a second thread in the background; their completion
-    callbacks (freeing sent outputs) run on the caller's thread in :meth:`run_callbacks`.
+    Receives are waited on directly (no thread hand-over on the critical path) with the timeout as
+    the bound: a failing rank wakes the ranks waiting for its messages by sending them failure
+    notices (:meth:`DistTransport.poison`), a crashed one closes its connections. Sends are
+    waited on by a helper thread in the background; the end-of-step drain polls the failure
+    channel, because a send to a rank that stopped before posting its receive never completes.
     """
 
     def __init__(self, failure: FailureChannel | None, timeout: float, poll: float, where: Callable[[], str]) -> None:
@@ -409,19 +478,23 @@ class Waiter:
         self.timeout = timeout
         self.poll = poll
         self.where = where
-        self._fg: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._bg: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._finished: deque[_Job] = deque()
         self._outstanding: deque[_Job] = deque()
-        for jobs, finished in ((self._fg, None), (self._bg, self._finished)):
-            threading.Thread(target=_serve, args=(jobs, finished), daemon=True, name="pipetrain-wait").start()
+        threading.Thread(target=_serve, args=(self._bg, self._finished), daemon=True, name="pipetrain-sends").start()
 
     def wait(self, works: list[Any], what: str) -> None:
-        if not works:
-            return
-        job = _Job(works, what)
-        self._fg.put(job)
-        self._block(job)
+        limit = timedelta(seconds=self.timeout)
+        for work in works:
+            try:
+                work.wait(limit)
+            except Exception as err:
+                story = None if self.failure is None else self.failure.check()
+                if story is not None:
+                    raise RemoteFailureError(f"{self.where()}: waiting for {what} failed because {story}") from err
+                raise PipelineError(
+                    f"{self.where()}: waiting for {what} failed (timeout {self.timeout:g} s; no rank reported a failure): {err}"
+                ) from err
 
     def background(self, works: list[Any], keep: Any, on_done: Callable[[], None] | None, what: str) -> None:
         job = _Job(works, what, keep, on_done)
@@ -459,5 +532,4 @@ class Waiter:
 
     def close(self) -> None:
         """Stop the helper threads once they are free (a thread stuck on a dead peer stays parked)."""
-        self._fg.put(None)
         self._bg.put(None)
