@@ -576,7 +576,7 @@ class PipelineScheduleRuntime:
             self.rank, self.stages, self.schedule.stage_to_rank, self.schedule.num_stages, _DistComm(self._transport)
         )
         self._step_count = 0
-        self.last_timeline: Timeline | None = None
+        self._last_events: tuple[list[tuple[Action, int, int]], int, Schedule] | None = None
 
     # -------------------------------------------------------------- set-up
     def _rank_and_world(self) -> tuple[int, int]:
@@ -677,8 +677,8 @@ class PipelineScheduleRuntime:
         program.action = None
         program.program = schedule.actions[self.rank]  # what a failure before the first action must cancel
         program.pos = 0
+        program.events = []
         n = self.n_microbatches
-        t_start = time.perf_counter_ns()
         try:
             inputs = self._split_inputs(args, kwargs)
             targets = self._split_target(target, train)
@@ -707,7 +707,7 @@ class PipelineScheduleRuntime:
             self._fail(program, exc)
             raise AssertionError("unreachable") from exc  # _fail always raises
         finally:
-            self.last_timeline = self._timeline(program, t_start, schedule)
+            self._last_events = (program.events, program.step_index, schedule)
             program.clear()
         return result
 
@@ -763,6 +763,14 @@ class PipelineScheduleRuntime:
             raise exc
         raise PipelineError(message) from exc
 
+    @property
+    def last_timeline(self) -> Timeline | None:
+        """When each action of the last step ran on this rank (built on demand: steps stay cheap)."""
+        if self._last_events is None:
+            return None
+        events, step_index, schedule = self._last_events
+        return self._timeline(events, step_index, schedule)
+
     def gather_timeline(self) -> Timeline | None:
         """The last step's timeline of every rank (a collective: call it on all ranks), times from 0."""
         if self.last_timeline is None:
@@ -773,7 +781,7 @@ class PipelineScheduleRuntime:
         merged = Timeline(self.world, events, self.last_timeline.title.split(",")[0], "measured", "s")
         return merged.shifted(-merged.start)
 
-    def _timeline(self, program: _Program, t_start: int, schedule: Schedule) -> Timeline:
+    def _timeline(self, raw: list[tuple[Action, int, int]], step_index: int, schedule: Schedule) -> Timeline:
         events = [
             TimelineEvent(
                 rank=self.rank,
@@ -784,12 +792,12 @@ class PipelineScheduleRuntime:
                 start=t0 / 1e9,
                 end=t1 / 1e9,
             )
-            for a, t0, t1 in program.events
+            for a, t0, t1 in raw
         ]
         return Timeline(
             schedule.num_ranks,
             events,
-            title=f"{schedule.name} step {program.step_index}, rank {self.rank}",
+            title=f"{schedule.name} step {step_index}, rank {self.rank}",
             source="measured",
             unit="s",
         )

@@ -20,6 +20,7 @@ only right before use and sends complete in the background (see :class:`Waiter`)
 
 from __future__ import annotations
 
+import ctypes
 import pickle
 import queue
 import threading
@@ -130,6 +131,7 @@ def rebuild(layout: Layout, tensors: list[torch.Tensor]) -> Any:
 
 
 _ALIGN = 16
+_Op = tuple[bool, torch.Tensor, int, int]  # (is a send, tensor, group peer, tag)
 _NOTICES: list[Any] = []  # failure notices in flight: kept alive for the life of the process
 
 
@@ -163,6 +165,13 @@ def _pack(
 ) -> torch.Tensor:
     """One flat byte buffer: the int64 header, then each tensor at an aligned offset."""
     slots, total = _slots(layout)
+    if device.type == "cpu" and len(tensors) == 1 and slots[0][1] and extra == 0:
+        # The common case, in one copy: header bytes and the tensor's bytes side by side.
+        t = tensors[0]
+        body = t.reshape(-1).view(torch.uint8)
+        pad = total - _HEADER * 8 - body.numel()
+        parts = [_header_bytes(flag), body] + ([torch.zeros(pad, dtype=torch.uint8)] if pad else [])
+        return torch.cat(parts)
     flat = torch.empty(total, dtype=torch.uint8, device=device)
     header = flat[: _HEADER * 8].view(torch.int64)
     header.zero_()
@@ -172,6 +181,18 @@ def _pack(
         if nbytes:
             flat[offset : offset + nbytes].view(t.dtype).view(t.shape).copy_(t)
     return flat
+
+
+_HEADERS: dict[int, torch.Tensor] = {}
+
+
+def _header_bytes(flag: int) -> torch.Tensor:
+    header = _HEADERS.get(flag)
+    if header is None:
+        words = torch.zeros(_HEADER, dtype=torch.int64)
+        words[0] = flag
+        header = _HEADERS[flag] = words.view(torch.uint8)
+    return header
 
 
 def _unpack(flat: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
@@ -233,13 +254,30 @@ class DistTransport:
         self._sent: dict[Key, Layout] = {}
         self._received: dict[Key, Layout] = {}
         self._unresolved: dict[int, deque[RecvHandle]] = {}
+        group_obj = group if group is not None else dist.group.WORLD
+        # gloo runs each operation on its own; posting directly skips per-call Python overhead.
+        self._pg: Any = group_obj if dist.get_backend(group_obj) == "gloo" else None
 
-    def _op(self, fn: Callable[..., Any], tensor: torch.Tensor, peer: int, tag: int) -> dist.P2POp:
-        return dist.P2POp(fn, tensor, group=self.group, tag=tag, group_peer=peer)
+    def _op(self, fn: Callable[..., Any], tensor: torch.Tensor, peer: int, tag: int) -> _Op:
+        return (fn is dist.isend, tensor, peer, tag)
+
+    def _launch(self, ops: list[_Op]) -> list[Any]:
+        """Post operations: straight on a gloo group (no Python wrappers), else as one batch."""
+        if not ops:
+            return []
+        if self._pg is not None:
+            pg = self._pg
+            return [pg.send([t], peer, tag) if is_send else pg.recv([t], peer, tag) for is_send, t, peer, tag in ops]
+        return dist.batch_isend_irecv(
+            [
+                dist.P2POp(dist.isend if is_send else dist.irecv, t, group=self.group, tag=tag, group_peer=peer)
+                for is_send, t, peer, tag in ops
+            ]
+        )
 
     def post(self, items: list[SendItem | RecvItem]) -> list[RecvHandle]:
         """Post the sends and receives of one run of consecutive SEND/RECV actions as one batch."""
-        ops: list[dist.P2POp] = []
+        ops: list[_Op] = []
         handles: list[RecvHandle] = []
         sends: list[tuple[int, int, SendItem, list[torch.Tensor]]] = []
         for item in items:
@@ -249,7 +287,7 @@ class DistTransport:
                 sends.append((start, len(ops), item, keep))
             else:
                 handles.append(self._recv_ops(item, ops))
-        works = dist.batch_isend_irecv(ops) if ops else []
+        works = self._launch(ops)
         for handle in handles:
             handle.works = [works[i] for i in handle.works]
         for start, end, item, keep in sends:
@@ -258,7 +296,7 @@ class DistTransport:
                 item.on_done()  # the data was copied into the message
         return handles
 
-    def _send_ops(self, item: SendItem, ops: list[dist.P2POp]) -> list[torch.Tensor]:
+    def _send_ops(self, item: SendItem, ops: list[_Op]) -> list[torch.Tensor]:
         layout, tensors = layout_of(item.obj)
         tensors = [t.detach() for t in tensors]
         old = self._sent.get(item.key)
@@ -276,7 +314,7 @@ class DistTransport:
         self._sent[item.key] = layout
         return [notice, encoded, payload]
 
-    def _recv_ops(self, item: RecvItem, ops: list[dist.P2POp]) -> RecvHandle:
+    def _recv_ops(self, item: RecvItem, ops: list[_Op]) -> RecvHandle:
         cached = self._received.get(item.key)
         flat = torch.empty(_slots(cached)[1], dtype=torch.uint8, device=self.device)
         handle = RecvHandle(item.key, item.peer, item.what, flat=flat, cached=cached)
@@ -303,8 +341,11 @@ class DistTransport:
 
     @staticmethod
     def _flag(handle: RecvHandle) -> int:
-        assert handle.flat is not None
-        return int(handle.flat[0])  # the flag is the low byte of the first header word
+        flat = handle.flat
+        assert flat is not None
+        if flat.device.type == "cpu":  # the flag is the low byte of the first header word
+            return int(ctypes.c_uint8.from_address(flat.data_ptr()).value)
+        return int(flat[0])
 
     def _wait_early(self, handle: RecvHandle) -> None:
         what = f"{handle.what} from rank {handle.peer}"
@@ -322,13 +363,13 @@ class DistTransport:
         Each notice has the size the receiver posted for that key (both sides remember the same
         layouts), so it completes the receive the peer is blocked in.
         """
-        ops = []
+        ops: list[_Op] = []
         for key, peer in sends:
             notice = _pack(_FAIL, 0, self._sent.get(key), [], self.device)
             ops.append(self._op(dist.isend, notice, peer, _TAG_STEADY))
         if ops:
             try:
-                _NOTICES.extend(dist.batch_isend_irecv(ops))
+                _NOTICES.extend(self._launch(ops))
             except Exception:  # the connection may already be gone; the peers then see it closed
                 pass
 
@@ -342,10 +383,10 @@ class DistTransport:
         else:
             what = f"{handle.what} from rank {handle.peer}"
             encoded = torch.empty(int(header[1]), dtype=torch.uint8, device=self.device)
-            self.waiter.wait([dist.irecv(encoded, group=self.group, group_src=handle.peer, tag=_TAG_NEW)], what)
+            self.waiter.wait(self._launch([self._op(dist.irecv, encoded, handle.peer, _TAG_NEW)]), what)
             layout = Layout.decode(encoded)
             flat = torch.empty(_slots(layout)[1], dtype=torch.uint8, device=self.device)
-            self.waiter.wait([dist.irecv(flat, group=self.group, group_src=handle.peer, tag=_TAG_NEW)], what)
+            self.waiter.wait(self._launch([self._op(dist.irecv, flat, handle.peer, _TAG_NEW)]), what)
             self._received[handle.key] = layout
         handle.value = rebuild(layout, _unpack(flat, layout))
         handle.resolved = True
@@ -468,8 +509,8 @@ class Waiter:
 
     Receives are waited on directly (no thread hand-over on the critical path) with the timeout as
     the bound: a failing rank wakes the ranks waiting for its messages by sending them failure
-    notices (:meth:`DistTransport.poison`), a crashed one closes its connections. Sends are
-    waited on by a helper thread in the background; the end-of-step drain polls the failure
+    notices (:meth:`DistTransport.poison`), a crashed one closes its connections. The sends of a
+    step are waited on together at its end by a helper thread while the caller polls the failure
     channel, because a send to a rank that stopped before posting its receive never completes.
     """
 
@@ -497,9 +538,8 @@ class Waiter:
                 ) from err
 
     def background(self, works: list[Any], keep: Any, on_done: Callable[[], None] | None, what: str) -> None:
-        job = _Job(works, what, keep, on_done)
-        self._outstanding.append(job)
-        self._bg.put(job)
+        """Remember a posted send; :meth:`drain` waits for all of them at the end of the step."""
+        self._outstanding.append(_Job(works, what, keep, on_done))
 
     def run_callbacks(self) -> None:
         while self._finished:
@@ -510,8 +550,18 @@ class Waiter:
                 job.on_done()
 
     def drain(self) -> None:
-        while self._outstanding:
-            self._block(self._outstanding.popleft())
+        """Wait for every remembered send: one hand-over to the helper thread per step."""
+        if self._outstanding:
+            jobs = list(self._outstanding)
+            self._outstanding.clear()
+            works = [w for job in jobs for w in job.works]
+            what = ", ".join(job.what for job in jobs[:3]) + (f" and {len(jobs) - 3} more" if len(jobs) > 3 else "")
+            batch = _Job(works, f"sends {what}", [job.keep for job in jobs])
+            self._bg.put(batch)
+            self._block(batch)
+            for job in jobs:
+                if job.on_done is not None:
+                    self._finished.append(job)
         self.run_callbacks()
 
     def _block(self, job: _Job) -> None:

@@ -6,10 +6,9 @@ import copy
 
 import pytest
 import torch
-from torch import nn
-
 from _dist import run_ranks
 from _models import make_batch, mlp_layers
+from torch import nn
 
 pytestmark = pytest.mark.slow
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.passes._graph import OVERLAP, B, F, I, W, gc_paused
-from pipetrain.plan.passes.communication import add_communication, communication_pass
+from pipetrain.plan.passes.communication import add_communication
 from pipetrain.plan.passes.fsdp import add_fsdp, check_prefetch, fsdp_pass
 from pipetrain.plan.passes.grad import add_grad_reduction, grad_reduction_pass
+from pipetrain.plan.passes.fused import lower_compute
 from pipetrain.plan.passes.merge import merge_input_weight
 from pipetrain.plan.schedule import Schedule
-from pipetrain.plan.validate import validate
+from pipetrain.plan.validate import check_structure, validate
 
 __all__ = ["add_communication", "add_fsdp", "add_grad_reduction", "lower", "merge_input_weight"]
 
@@ -53,6 +54,17 @@ def lower(
 
 
 def _lower(schedule: Schedule, comms: bool, grad_reduce: bool, fsdp: bool, prefetch: int, merge_iw: bool) -> Schedule:
+    if comms:
+        # The passes in one sweep, on the unit-time run that also proves the schedule runs to the
+        # end: so only the structural checks of validate() run first, not its own execution.
+        check_structure(schedule)
+        out = merge_input_weight(schedule) if merge_iw else schedule
+        try:
+            return lower_compute(out, grad_reduce=grad_reduce, fsdp=fsdp, prefetch=prefetch)
+        except ScheduleError:
+            if out is not schedule:
+                validate(schedule)  # name the deadlock in the schedule as given
+            raise
     validate(schedule)
     out = schedule
     if merge_iw:
@@ -61,8 +73,6 @@ def _lower(schedule: Schedule, comms: bool, grad_reduce: bool, fsdp: bool, prefe
         out = grad_reduction_pass(out)
     if fsdp:
         out = fsdp_pass(out, prefetch)
-    if comms:
-        out = communication_pass(out)
     if out is schedule:
         out = schedule._derived({r: list(schedule.actions[r]) for r in range(schedule.num_ranks)})
     return out

@@ -68,11 +68,23 @@ def validate(schedule: Schedule) -> None:
         _validate(schedule)
 
 
-def _validate(schedule: Schedule) -> None:
+def check_structure(schedule: Schedule) -> None:
+    """The checks of :func:`validate` short of executing the programs (for ``lower``, whose
+    unit-time run of a compute schedule decides whether it runs to the end)."""
+    with gc_paused():
+        _structure(schedule)
+
+
+def _structure(schedule: Schedule) -> _Index:
     if schedule.num_microbatches < 1:
         raise ScheduleError("the schedule has no compute actions: it needs at least one microbatch")
     index = _scan(schedule)
     _check_completeness(index)
+    return index
+
+
+def _validate(schedule: Schedule) -> None:
+    index = _structure(schedule)
     comm = _CommPlan(index) if index.comm else None
     if index.reduce:
         _check_reduce_grad(index)

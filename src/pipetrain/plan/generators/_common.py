@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pipetrain.plan.actions import Action, ActionKind
+from pipetrain.plan.actions import Action, ActionKind, make_action
 from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.schedule import Schedule
 
@@ -27,20 +27,26 @@ def v_placement(num_ranks: int) -> dict[int, int]:
     return dict(sorted(placement.items()))
 
 
+# The generators call these hundreds of thousands of times with indices they computed: the
+# unchecked constructor keeps building cheap; every schedule is checked by the Schedule
+# constructor (placement, ranges) and validate() (the rest) anyway.
 def F(stage: int, mb: int) -> Action:  # noqa: N802 - reads like the papers
-    return Action(stage, ActionKind.F, mb)
+    return make_action(stage, _F, mb)
 
 
 def B(stage: int, mb: int) -> Action:  # noqa: N802
-    return Action(stage, ActionKind.B, mb)
+    return make_action(stage, _B, mb)
 
 
 def I(stage: int, mb: int) -> Action:  # noqa: N802, E743
-    return Action(stage, ActionKind.I, mb)
+    return make_action(stage, _I, mb)
 
 
 def W(stage: int, mb: int) -> Action:  # noqa: N802
-    return Action(stage, ActionKind.W, mb)
+    return make_action(stage, _W, mb)
+
+
+_F, _B, _I, _W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
 
 
 def make_schedule(programs: dict[int, Program], placement: dict[int, int], num_microbatches: int) -> Schedule:

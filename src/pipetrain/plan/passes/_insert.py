@@ -42,17 +42,15 @@ def insert_around_compute(
     return out
 
 
-def compute_parts(program: Sequence[Action | None]) -> list[tuple[Action, ...]]:
-    """The parts of each compute action of ``program``, in order."""
-    out: list[tuple[Action, ...]] = []
+def compute_actions(program: Sequence[Action | None]) -> list[Action]:
+    """The compute actions of ``program`` (F, B, I, W, OVERLAP_F_B), in order."""
+    out: list[Action] = []
     for a in program:
         if a is None:
             continue
         kind = a.kind
-        if kind is F or kind is I or kind is W or kind is B:
-            out.append((a,))
-        elif kind is OVERLAP:
-            out.append(a.parts)
+        if kind is F or kind is I or kind is W or kind is B or kind is OVERLAP:
+            out.append(a)
     return out
 
 

@@ -33,23 +33,19 @@ def part_needs(part: Action, ids: Ids) -> list[int]:
     return [sm, SM + sm + M] if s < ids.S - 1 else [sm]
 
 
-def unit_time_starts(schedule: Schedule) -> list[list[int]]:
-    """Per rank, the start time of each program item (-1 for idle steps and non-compute actions).
+def unit_time_run(schedule: Schedule) -> tuple[list[list[int]], list[list[tuple[int, Action]]]]:
+    """Per rank, the start time of each compute action in program order; and the compute actions
+    bucketed by start time as ``(rank, action)`` pairs (the order within a time unit is that of
+    the run: deterministic).
 
     Raises :class:`ScheduleError` (from :func:`~pipetrain.plan.validate.validate`, which names the
     stuck ranks) when the compute schedule cannot run to the end.
     """
-    return unit_time_run(schedule)[0]
-
-
-def unit_time_run(schedule: Schedule) -> tuple[list[list[int]], list[list[tuple[int, Action]]]]:
-    """:func:`unit_time_starts`, plus the compute actions bucketed by start time as ``(rank, action)``
-    pairs (the order within a time unit is that of the run: deterministic)."""
     ids = Ids(schedule.num_stages, schedule.num_microbatches)
     M, SM, S = ids.M, ids.SM, ids.S
     R = schedule.num_ranks
     programs = [schedule.actions[r] for r in range(R)]
-    starts = [[-1] * len(p) for p in programs]
+    starts: list[list[int]] = [[] for _ in programs]
     by_time: list[list[tuple[int, Action]]] = []
     end = [-1] * (3 * SM)
     free = [0] * R
@@ -124,7 +120,7 @@ def unit_time_run(schedule: Schedule) -> tuple[list[list[int]], list[list[tuple[
                 if missing >= 0:
                     waiting.setdefault(missing, []).append(r)
                     break
-                row[i] = t0
+                row.append(t0)
                 while len(by_time) <= t0:
                     by_time.append([])
                 by_time[t0].append((r, a))
@@ -139,7 +135,7 @@ def unit_time_run(schedule: Schedule) -> tuple[list[list[int]], list[list[tuple[
             else:
                 i += 1
                 continue
-            row[i] = t0
+            row.append(t0)
             if t0 < len(by_time):
                 by_time[t0].append((r, a))
             else:

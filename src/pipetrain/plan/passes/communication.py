@@ -1,7 +1,7 @@
 """The communication pass: a SEND after each producer and a RECV before each consumer on another rank.
 
 Placement, which makes the result deadlock-free under the strict (NCCL) model of docs/semantics.md:
-run the compute schedule in unit time (:func:`unit_time_starts`). A message produced by an action
+run the compute schedule in unit time (:func:`~pipetrain.plan.passes._timing.unit_time_run`). A message produced by an action
 ending at time T is sent right after the producer and received on the consumer's rank in the gap
 holding time T (after the actions that started before T, before those starting at T or later), so
 the receive is posted as early as the data can exist and before its consumer. Both ends of every
@@ -19,7 +19,7 @@ from __future__ import annotations
 from bisect import bisect_right
 
 from pipetrain.plan.actions import Action, make_action
-from pipetrain.plan.passes._graph import RECV_B, RECV_F, SEND_B, SEND_F, B, F, I, Ids, cross_rank_flags
+from pipetrain.plan.passes._graph import OVERLAP, RECV_B, RECV_F, SEND_B, SEND_F, B, F, I, W, cross_rank_flags
 from pipetrain.plan.passes._insert import refuse_existing
 from pipetrain.plan.passes._timing import unit_time_run
 from pipetrain.plan.schedule import Schedule
@@ -40,27 +40,62 @@ def add_communication(schedule: Schedule) -> Schedule:
 
 def communication_pass(schedule: Schedule) -> Schedule:
     """:func:`add_communication` without the check for existing SEND/RECV (for ``lower``)."""
-    programs = [schedule.actions[r] for r in range(schedule.num_ranks)]
-    ids = Ids(schedule.num_stages, schedule.num_microbatches)
-    rank_of = [schedule.stage_to_rank[s] for s in range(ids.S)]
-    prev_cross, next_cross = cross_rank_flags(rank_of)
     starts, by_time = unit_time_run(schedule)
-
-    # Where each stage's forward output / input-gradient goes, or -1 when it stays on the rank.
-    f_dst = [rank_of[s + 1] if next_cross[s] else -1 for s in range(ids.S)]
-    b_dst = [rank_of[s - 1] if prev_cross[s] else -1 for s in range(ids.S)]
-    # Visit the compute actions in order of start time (a bucket per time unit: linear), and give
-    # each message to both its ranks at once: every rank's list is then in time order, and two
-    # ranks see the messages between them in the same order (FIFO), without sorting.
+    times, acts = collect_messages(schedule, by_time)
     makespan = len(by_time)
-    times: list[list[int]] = [[] for _ in programs]  # arrival time of each message, per rank
-    acts: list[list[Action]] = [[] for _ in programs]
+    lowered: dict[int, list[Action | None]] = {}
+    for r in range(schedule.num_ranks):
+        program = schedule.actions[r]
+        row = starts[r]
+        ev, comm = times[r], acts[r]
+        out: list[Action | None] = []
+        append = out.append
+        # The messages of the gap after a compute action (placed right after it) are those that
+        # arrive by the next compute action's start; before the first compute, by its start.
+        bounds = row + [makespan + 1]
+        p = bisect_right(ev, bounds[0])
+        out.extend(comm[:p])
+        j = 0
+        for a in program:
+            if a is None:
+                continue
+            append(a)
+            kind = a.kind
+            if kind is F or kind is I or kind is W or kind is B or kind is OVERLAP:
+                j += 1
+                q = bisect_right(ev, bounds[j], p)
+                if q > p:
+                    out.extend(comm[p:q])
+                    p = q
+        lowered[r] = out
+    return schedule._derived(lowered)
+
+
+def collect_messages(
+    schedule: Schedule, by_time: list[list[tuple[int, Action]]]
+) -> tuple[list[list[int]], list[list[Action]]]:
+    """Per rank, the SEND/RECV of every cross-rank message and the time each arrives, in time order.
+
+    The compute actions are visited in order of start time (a bucket per time unit: linear) and
+    each message goes to both its ranks at once: every rank's list is then in time order, and two
+    ranks see the messages between them in the same order (FIFO), without sorting.
+    """
+    R, S = schedule.num_ranks, schedule.num_stages
+    rank_of = [schedule.stage_to_rank[s] for s in range(S)]
+    prev_cross, next_cross = cross_rank_flags(rank_of)
+    # Where each stage's forward output / input-gradient goes, or -1 when it stays on the rank.
+    f_dst = [rank_of[s + 1] if next_cross[s] else -1 for s in range(S)]
+    b_dst = [rank_of[s - 1] if prev_cross[s] else -1 for s in range(S)]
+    times: list[list[int]] = [[] for _ in range(R)]  # arrival time of each message, per rank
+    acts: list[list[Action]] = [[] for _ in range(R)]
     for st, bucket in enumerate(by_time):
         end_time = st + 1
         for r, producer in bucket:
-            for part in (producer,) if producer.sub_actions is None else producer.sub_actions:
-                k, s = part.kind, part.stage
+            subs = producer.sub_actions
+            for part in (producer,) if subs is None else subs:
+                k = part.kind
                 if k is F:
+                    s = part.stage
                     d = f_dst[s]
                     if d >= 0:
                         m = part.microbatch
@@ -69,6 +104,7 @@ def communication_pass(schedule: Schedule) -> Schedule:
                         times[d].append(end_time)
                         acts[d].append(make_action(s + 1, RECV_F, m))
                 elif k is B or k is I:
+                    s = part.stage
                     d = b_dst[s]
                     if d >= 0:
                         m = part.microbatch
@@ -76,29 +112,4 @@ def communication_pass(schedule: Schedule) -> Schedule:
                         acts[r].append(make_action(s, SEND_B, m))
                         times[d].append(end_time)
                         acts[d].append(make_action(s - 1, RECV_B, m))
-
-    lowered: dict[int, list[Action | None]] = {}
-    for r, program in enumerate(programs):
-        ev, comm = times[r], acts[r]
-        row = starts[r]
-        out: list[Action | None] = []
-        append = out.append
-        # The messages of the gap after a compute action (placed right after it) are those that
-        # arrive by the next compute action's start; before the first compute, by its start.
-        bounds = [st for st in row if st >= 0]
-        bounds.append(makespan + 1)
-        p = bisect_right(ev, bounds[0])
-        out.extend(comm[:p])
-        j = 0
-        for a, st in zip(program, row, strict=True):
-            if a is None:
-                continue
-            append(a)
-            if st >= 0:
-                j += 1
-                q = bisect_right(ev, bounds[j], p)
-                if q > p:
-                    out.extend(comm[p:q])
-                    p = q
-        lowered[r] = out
-    return schedule._derived(lowered)
+    return times, acts

@@ -9,13 +9,17 @@ action: quadratic).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from pipetrain.plan.actions import Action, make_action
 from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.passes._graph import RECV_B, RECV_F, REDUCE_GRAD, RESHARD, SEND_B, SEND_F, UNSHARD
-from pipetrain.plan.passes._insert import compute_parts, insert_around_compute, refuse_existing
+from pipetrain.plan.passes._insert import compute_actions, insert_around_compute, refuse_existing
 from pipetrain.plan.schedule import Schedule
 
 _SKIP_AFTER = frozenset({SEND_F, RECV_F, SEND_B, RECV_B, REDUCE_GRAD})
+
+Slots = list[list[Action] | None]
 
 
 def add_fsdp(schedule: Schedule, prefetch: int = 1) -> Schedule:
@@ -32,32 +36,54 @@ def check_prefetch(prefetch: object) -> None:
 
 def fsdp_pass(schedule: Schedule, prefetch: int) -> Schedule:
     """:func:`add_fsdp` without the argument and repeat checks (for ``lower``)."""
-    programs = [schedule.actions[r] for r in range(schedule.num_ranks)]
     out: dict[int, list[Action | None]] = {}
-    for r, program in enumerate(programs):
-        parts = compute_parts(program)
-        n = len(parts)
-        before: list[list[Action] | None] = [None] * n
-        after: list[list[Action] | None] = [None] * n
-        last_use: dict[int, int] = {}
-        for k, group in enumerate(parts):
-            for part in group:
-                s = part.stage
-                prev = last_use.get(s)
-                if prev == k:
-                    continue
-                if prev is None or k - prev > prefetch + 1:
-                    if prev is not None:
-                        _add(after, prev, make_action(s, RESHARD))
-                    _add(before, max(0, k - prefetch) if prev is None else k - prefetch, make_action(s, UNSHARD))
-                last_use[s] = k
-        for s, k in last_use.items():
-            _add(after, k, make_action(s, RESHARD))
+    unshard, reshard = fsdp_actions(schedule.num_stages)
+    for r in range(schedule.num_ranks):
+        program = schedule.actions[r]
+        before, after = fsdp_slots(compute_actions(program), prefetch, unshard, reshard)
         out[r] = insert_around_compute(program, before, after, _SKIP_AFTER)
     return schedule._derived(out)
 
 
-def _add(slots: list[list[Action] | None], k: int, action: Action) -> None:
+def fsdp_actions(num_stages: int) -> tuple[list[Action], list[Action]]:
+    """One UNSHARD and one RESHARD per stage, shared by every place that needs it (actions are
+    immutable; building tens of thousands of equal ones would only cost time)."""
+    return (
+        [make_action(s, UNSHARD) for s in range(num_stages)],
+        [make_action(s, RESHARD) for s in range(num_stages)],
+    )
+
+
+def fsdp_slots(
+    computes: Sequence[Action], prefetch: int, unshard: list[Action], reshard: list[Action]
+) -> tuple[Slots, Slots]:
+    """What goes before and after each compute action of one rank (indexed like ``computes``).
+
+    One dict look-up per plain action (its stage's last use), the parts of an OVERLAP_F_B
+    apart: this runs once per compute action of the schedule.
+    """
+    n = len(computes)
+    before: Slots = [None] * n
+    after: Slots = [None] * n
+    last_use: dict[int, int] = {}
+    window = prefetch + 1
+    for k, action in enumerate(computes):
+        for part in (action,) if action.sub_actions is None else action.sub_actions:
+            s = part.stage
+            prev = last_use.get(s)
+            if prev is not None and (prev == k or k - prev <= window):
+                last_use[s] = k
+                continue
+            if prev is not None:
+                _add(after, prev, reshard[s])
+            _add(before, max(0, k - prefetch) if prev is None else k - prefetch, unshard[s])
+            last_use[s] = k
+    for s, k in last_use.items():
+        _add(after, k, reshard[s])
+    return before, after
+
+
+def _add(slots: Slots, k: int, action: Action) -> None:
     bucket = slots[k]
     if bucket is None:
         slots[k] = [action]
