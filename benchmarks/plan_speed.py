@@ -3,8 +3,10 @@
 torch builds its pipeline order, validates it and lowers it (FSDP unshard/reshard, REDUCE_GRAD,
 SEND/RECV) in the schedule constructor; it is constructed here with light stand-in stage objects
 (no process group). Our side does the same work: build the compute schedule, validate it, and
-lower it with the same passes (``lower(fsdp=True, grad_reduce=True)``); validating the lowered
-schedule (the NCCL deadlock model; torch has no equivalent) is timed in its own column. Both
+lower it with the same passes (``lower(fsdp=True, grad_reduce=True)``, which rejects whatever
+``validate()`` rejects: its structural checks, then the unit-time run that placing the messages
+needs anyway decides whether the programs run to the end); validating the lowered schedule (the
+NCCL deadlock model; torch has no equivalent) is timed in its own column. Both
 sides run in one process, after ``gc.freeze()`` of what the imports allocated.
 
 Run: ``.venv/bin/python benchmarks/plan_speed.py [--repeat N] [--no-torch]``. Prints a markdown

@@ -85,10 +85,14 @@ def _as_inputs(obj: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
 
 
 def _detach(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach()
     return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, obj)
 
 
 def _grad_specs(obj: Any) -> list[tuple[torch.Size, torch.dtype]]:
+    if isinstance(obj, torch.Tensor):
+        return [(obj.shape, obj.dtype)] if obj.requires_grad else []
     leaves, _ = tree_flatten(obj)
     return [(t.shape, t.dtype) for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
 

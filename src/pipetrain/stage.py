@@ -109,21 +109,28 @@ class PipelineStage:
             return self.submodule(*args, **kwargs)
         if mb in self._mbs:
             raise PipelineError(f"{self._where(mb, 'F')}: forward ran again before the backward of its previous run")
-        leaves, spec = pytree.tree_flatten((tuple(args), kwargs))
+        plain = not kwargs and all(isinstance(t, torch.Tensor) for t in args)  # skips pytree
+        leaves, spec = (list(args), None) if plain else pytree.tree_flatten((tuple(args), kwargs))
         needed = [isinstance(t, torch.Tensor) and t.requires_grad for t in leaves]
         # Cut inputs from any graph upstream: this stage's backward ends at its inputs.
         leaves = [
             t.detach().requires_grad_() if need and t.grad_fn is not None else t
             for t, need in zip(leaves, needed, strict=True)
         ]
-        args, kwargs = pytree.tree_unflatten(leaves, spec)
+        if plain:
+            args = tuple(leaves)
+        else:
+            args, kwargs = pytree.tree_unflatten(leaves, spec)
         saved = SavedTensors(f"stage {self.stage_index}, microbatch {mb}") if self.track_saved_tensors else None
         if saved is None:
             output = self.submodule(*args, **kwargs)
         else:
             with saved.hooks():
                 output = self.submodule(*args, **kwargs)
-        out_tensors = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
+        if isinstance(output, torch.Tensor):
+            out_tensors = [output]
+        else:
+            out_tensors = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
         self._mbs[mb] = _Microbatch(
             inputs=[t for t, need in zip(leaves, needed, strict=True) if need],
             needed=needed,

@@ -8,10 +8,33 @@ so shapes may change between steps and between microbatches:
   the layout of the last message under the same key (source stage, direction, microbatch), so in
   the steady state the receiver posts a receive of the right size at its RECV action, before the
   data is needed, and one operation carries the whole transfer.
-* When the layout changed (or on the first step) the header says so; the sender fills the
-  receive posted early with that notice, then sends the new layout as a byte string and the
-  packed tensors on a second tag. The receiver resolves messages from one peer in posting order,
-  so both tags stay matched first in, first out (gloo matches by tag).
+* When the layout changed (or on the first step) the sender fills the receive posted early with
+  a *notice* giving the sizes of two follow-ups, the new layout (a byte string) and the packed
+  tensors, and sends those right behind it. The receiver posts the follow-ups once it has read the
+  notice, so per pair of ranks both sides post the same operations in the same order.
+
+Matching. NCCL ignores tags: it pairs the operations between two ranks strictly in posting order.
+In *single-tag* mode (always for backends other than gloo; ``PIPETRAIN_SINGLE_TAG=1`` forces it on
+gloo for the tests) every operation uses tag 0 and a receive is never posted behind another
+receive from the same peer whose follow-ups may still be due: a batch is cut before a second
+receive from one peer, and right after each part is posted its headers are read and the
+follow-ups of new layouts posted, before anything else. Sends of a batch go first with its first
+part. On gloo by default the follow-ups use tag 1 instead, so headers are read lazily, right
+before the data is needed (gloo matches per tag, first in, first out).
+
+Why reading the headers right after posting cannot deadlock, for schedules made by
+``Schedule.lower()`` (see ``plan/passes/communication.py``): run the compute in unit time. A
+message produced by an action ending at time T is sent right after that action and received in
+the consumer rank's gap holding T, i.e. after its compute that started before T and before its
+compute starting at T or later. So the receives of a gap, whose headers are read there, carry
+messages no later than the start S of the rank's next compute, and reading them delays only that
+compute and what follows it, which ends after S: no message of time <= S depends on it. By
+induction on T every message of time T is posted by its sender (its producer waited only for
+messages of earlier times) and arrives. Under NCCL's stricter stream model (docs/semantics.md) the
+same holds: the sends of a gap were produced at the start of the gap's times, so the peer's
+receives of them are in groups at or before the peer's groups holding the messages the gap
+receives, and the follow-ups, posted next on the receiver's stream, are the only thing a sender's
+group waits for beyond the notice.
 
 ``DistTransport`` uses ``torch.distributed`` point-to-point operations; receives are waited on
 only right before use and sends complete in the background (see :class:`Waiter`).
@@ -21,6 +44,7 @@ only right before use and sends complete in the background (see :class:`Waiter`)
 from __future__ import annotations
 
 import ctypes
+import os
 import pickle
 import queue
 import threading
@@ -49,7 +73,7 @@ __all__ = [
 ]
 
 Key = Hashable
-_HEADER = 4  # [flag, layout bytes, 0, 0]
+_HEADER = 8  # int64 words: [flag, layout bytes, payload bytes, 0...]; 64 bytes keep tensors aligned
 _SAME, _NEW, _FAIL = 0, 1, 2
 _TAG_STEADY, _TAG_NEW = 0, 1
 
@@ -61,6 +85,16 @@ class Layout:
     spec: Any
     plain: tuple[Any, ...]  # non-tensor leaves, in order; a tensor leaf is marked by _TENSOR
     tensors: tuple[tuple[torch.dtype, tuple[int, ...], bool], ...]
+    # The container when the message is one tensor (Tensor), or a plain list or tuple of tensors
+    # (list, tuple): these skip pytree on both sides. None for anything else.
+    simple: type | None = field(default=None, init=False, compare=False, repr=False)
+    slots: tuple[list[tuple[int, int]], int] | None = field(default=None, init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if len(self.plain) == len(self.tensors) and all(p is _TENSOR for p in self.plain):
+            kind = self.spec.type if not self.spec.is_leaf() else torch.Tensor
+            if kind is torch.Tensor or (kind in (list, tuple) and self.spec.num_children == len(self.tensors)):
+                object.__setattr__(self, "simple", kind)
 
     def encode(self) -> torch.Tensor:
         try:
@@ -74,6 +108,21 @@ class Layout:
     def decode(buf: torch.Tensor) -> Layout:
         spec, plain, tensors = pickle.loads(bytes(buf.tolist()))
         return Layout(treespec_loads(spec) if isinstance(spec, str) else spec, plain, tensors)
+
+
+def _signature(obj: Any) -> tuple[type, tuple[tuple[torch.dtype, torch.Size, bool], ...]] | None:
+    """What a one-tensor or list/tuple-of-tensors message looks like, without pytree; else None."""
+    if isinstance(obj, torch.Tensor):
+        return torch.Tensor, ((obj.dtype, obj.shape, obj.requires_grad),)
+    kind = type(obj)
+    if kind is list or kind is tuple:
+        sig = []
+        for t in obj:
+            if not isinstance(t, torch.Tensor):
+                return None
+            sig.append((t.dtype, t.shape, t.requires_grad))
+        return kind, tuple(sig)
+    return None
 
 
 class _TensorMark:
@@ -117,6 +166,16 @@ def _same(a: Layout, b: Layout) -> bool:
 
 def rebuild(layout: Layout, tensors: list[torch.Tensor]) -> Any:
     """Inverse of :func:`layout_of`; received tensors that needed grad become leaves needing grad."""
+    for t, (_, _, rg) in zip(tensors, layout.tensors, strict=True):
+        if rg and t.is_floating_point():
+            t.requires_grad_(True)
+    simple = layout.simple
+    if simple is torch.Tensor:
+        return tensors[0]
+    if simple is list:
+        return tensors
+    if simple is tuple:
+        return tuple(tensors)
     it = iter(tensors)
     leaves: list[Any] = []
     for value in layout.plain:
@@ -124,19 +183,29 @@ def rebuild(layout: Layout, tensors: list[torch.Tensor]) -> Any:
             leaves.append(next(it))
         else:
             leaves.append(value)
-    for t, (_, _, rg) in zip(tensors, layout.tensors, strict=True):
-        if rg and t.is_floating_point():
-            t.requires_grad_(True)
     return tree_unflatten(leaves, layout.spec)
 
 
-_ALIGN = 16
+_ALIGN = 64  # tensors start on cache-line (and SIMD) boundaries, as the allocator gives
 _Op = tuple[bool, torch.Tensor, int, int]  # (is a send, tensor, group peer, tag)
 _NOTICES: list[Any] = []  # failure notices in flight: kept alive for the life of the process
 
 
+_HEADER_ONLY: tuple[list[tuple[int, int]], int] = ([], _HEADER * 8)
+
+
 def _slots(layout: Layout | None) -> tuple[list[tuple[int, int]], int]:
-    """Byte offset and size of each tensor in a packed message, and the message size."""
+    """Byte offset and size of each tensor in a packed message, and the message size (cached)."""
+    if layout is None:
+        return _HEADER_ONLY
+    cached = layout.slots
+    if cached is None:
+        cached = _compute_slots(layout)
+        object.__setattr__(layout, "slots", cached)
+    return cached
+
+
+def _compute_slots(layout: Layout | None) -> tuple[list[tuple[int, int]], int]:
     offset = _HEADER * 8
     slots: list[tuple[int, int]] = []
     if layout is not None:
@@ -161,7 +230,7 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 def _pack(
-    flag: int, extra: int, layout: Layout | None, tensors: list[torch.Tensor], device: torch.device
+    flag: int, extra: int, extra2: int, layout: Layout | None, tensors: list[torch.Tensor], device: torch.device
 ) -> torch.Tensor:
     """One flat byte buffer: the int64 header, then each tensor at an aligned offset."""
     slots, total = _slots(layout)
@@ -177,6 +246,7 @@ def _pack(
     header.zero_()
     header[0] = flag
     header[1] = extra
+    header[2] = extra2
     for t, (offset, nbytes) in zip(tensors, slots, strict=False):
         if nbytes:
             flat[offset : offset + nbytes].view(t.dtype).view(t.shape).copy_(t)
@@ -206,9 +276,13 @@ def _unpack(flat: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
     ]
 
 
-@dataclass
+@dataclass(slots=True)
 class RecvHandle:
-    """A posted receive; ``DistTransport.wait`` turns it into the received object."""
+    """A posted receive; ``DistTransport.wait`` turns it into the received object.
+
+    ``works`` are the operations still to wait for: the first message until its header was read
+    (``settled``), then the follow-ups of a new layout (``encoded`` and ``flat``), if any.
+    """
 
     key: Key
     peer: int
@@ -218,6 +292,9 @@ class RecvHandle:
     cached: Layout | None = None
     resolved: bool = False
     value: Any = None
+    settled: bool = False
+    layout: Layout | None = None
+    encoded: torch.Tensor | None = None
 
 
 @dataclass
@@ -238,28 +315,42 @@ class RecvItem:
     what: str
 
 
+def _single_tag_default(backend: str) -> bool:
+    """NCCL (any backend but gloo) matches by posting order only; tests force it on gloo."""
+    return backend != "gloo" or os.environ.get("PIPETRAIN_SINGLE_TAG", "") not in ("", "0")
+
+
 class DistTransport:
     """Point-to-point messages between the ranks of ``group`` (group ranks throughout).
 
     A message is one flat byte buffer (header and tensors packed together): one operation per
     transfer, whatever the number of tensors. Packing copies the sent tensors, so a sent output
-    may be freed as soon as it is posted.
+    may be freed as soon as it is posted. ``single_tag`` selects the order-only protocol (see the
+    module docstring); it is always on for backends other than gloo.
     """
 
-    def __init__(self, group: Any, device: torch.device, failure: FailureChannel | None, waiter: Waiter) -> None:
+    def __init__(
+        self,
+        group: Any,
+        device: torch.device,
+        failure: FailureChannel | None,
+        waiter: Waiter,
+        single_tag: bool | None = None,
+    ) -> None:
         self.group = group
         self.device = device
         self.failure = failure
         self.waiter = waiter
         self._sent: dict[Key, Layout] = {}
+        self._sent_sig: dict[Key, Any] = {}  # _signature of the last plain message sent per key
         self._received: dict[Key, Layout] = {}
         self._unresolved: dict[int, deque[RecvHandle]] = {}
         group_obj = group if group is not None else dist.group.WORLD
+        backend = str(dist.get_backend(group_obj))
+        self.single_tag = _single_tag_default(backend) if single_tag is None else single_tag
+        self._tag_new = _TAG_STEADY if self.single_tag else _TAG_NEW
         # gloo runs each operation on its own; posting directly skips per-call Python overhead.
-        self._pg: Any = group_obj if dist.get_backend(group_obj) == "gloo" else None
-
-    def _op(self, fn: Callable[..., Any], tensor: torch.Tensor, peer: int, tag: int) -> _Op:
-        return (fn is dist.isend, tensor, peer, tag)
+        self._pg: Any = group_obj if backend == "gloo" else None
 
     def _launch(self, ops: list[_Op]) -> list[Any]:
         """Post operations: straight on a gloo group (no Python wrappers), else as one batch."""
@@ -276,41 +367,78 @@ class DistTransport:
         )
 
     def post(self, items: list[SendItem | RecvItem]) -> list[RecvHandle]:
-        """Post the sends and receives of one run of consecutive SEND/RECV actions as one batch."""
+        """Post the sends and receives of one run of consecutive SEND/RECV actions as one batch.
+
+        In single-tag mode the batch is cut before a second receive from the same peer, and the
+        headers of each part are read right after it is posted (see the module docstring).
+        """
         ops: list[_Op] = []
-        handles: list[RecvHandle] = []
         sends: list[tuple[int, int, SendItem, list[torch.Tensor]]] = []
         for item in items:
             if isinstance(item, SendItem):
                 start = len(ops)
                 keep = self._send_ops(item, ops)
                 sends.append((start, len(ops), item, keep))
-            else:
-                handles.append(self._recv_ops(item, ops))
-        works = self._launch(ops)
-        for handle in handles:
-            handle.works = [works[i] for i in handle.works]
-        for start, end, item, keep in sends:
-            self.waiter.background(works[start:end], keep, None, f"{item.what} to rank {item.peer}")
-            if item.on_done is not None:
-                item.on_done()  # the data was copied into the message
+        handles: list[RecvHandle] = []
+        part: list[RecvHandle] = []
+        peers: set[int] = set()
+        works: list[Any] | None = None
+        for item in items:
+            if isinstance(item, SendItem):
+                continue
+            if self.single_tag and item.peer in peers:
+                launched = self._flush(ops, part)
+                works = launched if works is None else works
+                ops, part, peers = [], [], set()
+            handle = self._recv_ops(item, ops)
+            handles.append(handle)
+            part.append(handle)
+            peers.add(item.peer)
+        launched = self._flush(ops, part)
+        works = launched if works is None else works
+        for start, end, send, keep in sends:
+            self.waiter.background(works[start:end], keep, None, f"{send.what} to rank {send.peer}")
+            if send.on_done is not None:
+                send.on_done()  # the data was copied into the message
         return handles
 
+    def _flush(self, ops: list[_Op], part: list[RecvHandle]) -> list[Any]:
+        """Launch ``ops``; in single-tag mode settle the receives among them at once."""
+        works = self._launch(ops)
+        for handle in part:
+            handle.works = [works[i] for i in handle.works]
+        if self.single_tag and part:
+            self._settle(part)
+        return works
+
     def _send_ops(self, item: SendItem, ops: list[_Op]) -> list[torch.Tensor]:
-        layout, tensors = layout_of(item.obj)
-        tensors = [t.detach() for t in tensors]
+        obj = item.obj
+        sig = _signature(obj)
         old = self._sent.get(item.key)
-        if old is not None and _same(old, layout):
-            flat = _pack(_SAME, 0, layout, tensors, self.device)
-            ops.append(self._op(dist.isend, flat, item.peer, _TAG_STEADY))
+        if sig is not None and old is not None and self._sent_sig.get(item.key) == sig:
+            # Steady state of a plain message: same container and tensor specs, no pytree needed.
+            tensors = [obj.detach()] if sig[0] is torch.Tensor else [t.detach() for t in obj]
+            flat = _pack(_SAME, 0, 0, old, tensors, self.device)
+            ops.append((True, flat, item.peer, _TAG_STEADY))
             return [flat]
-        # The receiver posted a message of the remembered size: fill it, then send the new layout.
+        layout, tensors = layout_of(obj)
+        tensors = [t.detach() for t in tensors]
+        if sig is not None and layout.simple is sig[0]:
+            self._sent_sig[item.key] = sig
+        else:
+            self._sent_sig.pop(item.key, None)
+        if old is not None and _same(old, layout):
+            flat = _pack(_SAME, 0, 0, layout, tensors, self.device)
+            ops.append((True, flat, item.peer, _TAG_STEADY))
+            return [flat]
+        # The receiver posted a message of the remembered size: fill it with a notice giving the
+        # sizes of the two follow-ups (the new layout, then the packed tensors).
         encoded = layout.encode().to(self.device)
-        notice = _pack(_NEW, encoded.numel(), old, [], self.device)
-        payload = _pack(_NEW, 0, layout, tensors, self.device)
-        ops.append(self._op(dist.isend, notice, item.peer, _TAG_STEADY))
-        ops.append(self._op(dist.isend, encoded, item.peer, _TAG_NEW))
-        ops.append(self._op(dist.isend, payload, item.peer, _TAG_NEW))
+        payload = _pack(_NEW, 0, 0, layout, tensors, self.device)
+        notice = _pack(_NEW, encoded.numel(), payload.numel(), old, [], self.device)
+        ops.append((True, notice, item.peer, _TAG_STEADY))
+        ops.append((True, encoded, item.peer, self._tag_new))
+        ops.append((True, payload, item.peer, self._tag_new))
         self._sent[item.key] = layout
         return [notice, encoded, payload]
 
@@ -319,24 +447,60 @@ class DistTransport:
         flat = torch.empty(_slots(cached)[1], dtype=torch.uint8, device=self.device)
         handle = RecvHandle(item.key, item.peer, item.what, flat=flat, cached=cached)
         handle.works = [len(ops)]  # replaced by the Work objects once posted
-        ops.append(self._op(dist.irecv, flat, item.peer, _TAG_STEADY))
-        self._unresolved.setdefault(item.peer, deque()).append(handle)
+        ops.append((False, flat, item.peer, _TAG_STEADY))
+        if not self.single_tag:
+            self._unresolved.setdefault(item.peer, deque()).append(handle)
         return handle
+
+    def _settle(self, handles: Sequence[RecvHandle]) -> None:
+        """Read the headers of ``handles`` (in order) and post the follow-ups of new layouts."""
+        ops: list[_Op] = []
+        pending: list[tuple[RecvHandle, int]] = []
+        for handle in handles:
+            flag = self._wait_early(handle)
+            handle.settled = True
+            flat = handle.flat
+            assert flat is not None
+            if flag == _SAME and handle.cached is not None:
+                handle.layout = handle.cached
+                continue
+            header = flat[: _HEADER * 8].view(torch.int64)
+            encoded = torch.empty(int(header[1]), dtype=torch.uint8, device=self.device)
+            payload = torch.empty(int(header[2]), dtype=torch.uint8, device=self.device)
+            handle.encoded, handle.flat = encoded, payload
+            pending.append((handle, len(ops)))
+            ops.append((False, encoded, handle.peer, self._tag_new))
+            ops.append((False, payload, handle.peer, self._tag_new))
+        works = self._launch(ops)
+        for handle, i in pending:
+            handle.works = works[i : i + 2]
 
     def wait(self, handle: RecvHandle) -> Any:
         """The received object; blocks (watching for failures elsewhere) until it has arrived."""
-        queue = self._unresolved.get(handle.peer)
-        if not handle.resolved and handle.cached is not None:
-            # Steady state: the message was posted early; wait for it alone.
-            self._wait_early(handle)
-            if self._flag(handle) == _SAME and queue is not None:
-                queue.remove(handle)
-                self._resolve(handle)
-        # A new layout travels on the second tag, which both sides use in posting order.
-        while not handle.resolved and queue:
-            self._resolve(queue.popleft())
-        value = handle.value
-        handle.value = None
+        if not handle.settled:
+            queue = self._unresolved.get(handle.peer)
+            if handle.cached is not None:
+                # Steady state: the message was posted early; wait for it alone.
+                if self._wait_early(handle) == _SAME and queue is not None:
+                    queue.remove(handle)
+                    handle.settled = True
+                    handle.layout = handle.cached
+            # Follow-ups travel on their own tag, which both sides use in posting order.
+            while not handle.settled and queue:
+                self._settle([queue.popleft()])
+        if handle.works:
+            self.waiter.wait(handle.works, f"{handle.what} from rank {handle.peer}")
+            handle.works = []
+        layout = handle.layout
+        if layout is None:
+            assert handle.encoded is not None
+            layout = handle.layout = Layout.decode(handle.encoded)
+            self._received[handle.key] = layout
+        flat = handle.flat
+        assert flat is not None
+        value = rebuild(layout, _unpack(flat, layout))
+        handle.flat = handle.encoded = handle.layout = handle.cached = None
+        handle.resolved = True
         return value
 
     @staticmethod
@@ -347,15 +511,20 @@ class DistTransport:
             return int(ctypes.c_uint8.from_address(flat.data_ptr()).value)
         return int(flat[0])
 
-    def _wait_early(self, handle: RecvHandle) -> None:
+    def _wait_early(self, handle: RecvHandle) -> int:
+        """Wait for the first message of ``handle``; its flag (raises on a failure notice)."""
+        if not handle.works:
+            return self._flag(handle)
         what = f"{handle.what} from rank {handle.peer}"
         self.waiter.wait(handle.works, what)
         handle.works = []
-        if self._flag(handle) == _FAIL:
+        flag = self._flag(handle)
+        if flag == _FAIL:
             failure = self.failure
             story = None if failure is None else failure.check()
             because = story or f"rank {handle.peer} failed (see its error)"
             raise RemoteFailureError(f"{self.waiter.where()}: stopped while waiting for {what} because {because}")
+        return flag
 
     def poison(self, sends: Sequence[tuple[Key, int]]) -> None:
         """Wake the peers waiting for our messages ``(key, peer)`` with failure notices; never waits.
@@ -365,32 +534,13 @@ class DistTransport:
         """
         ops: list[_Op] = []
         for key, peer in sends:
-            notice = _pack(_FAIL, 0, self._sent.get(key), [], self.device)
-            ops.append(self._op(dist.isend, notice, peer, _TAG_STEADY))
+            notice = _pack(_FAIL, 0, 0, self._sent.get(key), [], self.device)
+            ops.append((True, notice, peer, _TAG_STEADY))
         if ops:
             try:
                 _NOTICES.extend(self._launch(ops))
             except Exception:  # the connection may already be gone; the peers then see it closed
                 pass
-
-    def _resolve(self, handle: RecvHandle) -> None:
-        self._wait_early(handle)
-        flat = handle.flat
-        assert flat is not None
-        header = flat[: _HEADER * 8].view(torch.int64)
-        if int(header[0]) == _SAME and handle.cached is not None:
-            layout = handle.cached
-        else:
-            what = f"{handle.what} from rank {handle.peer}"
-            encoded = torch.empty(int(header[1]), dtype=torch.uint8, device=self.device)
-            self.waiter.wait(self._launch([self._op(dist.irecv, encoded, handle.peer, _TAG_NEW)]), what)
-            layout = Layout.decode(encoded)
-            flat = torch.empty(_slots(layout)[1], dtype=torch.uint8, device=self.device)
-            self.waiter.wait(self._launch([self._op(dist.irecv, flat, handle.peer, _TAG_NEW)]), what)
-            self._received[handle.key] = layout
-        handle.value = rebuild(layout, _unpack(flat, layout))
-        handle.resolved = True
-        handle.flat = None
 
     def finish(self) -> None:
         """Block until every send of the step has completed (watching for failures)."""
@@ -399,6 +549,7 @@ class DistTransport:
     def reset(self) -> None:
         """Forget layouts and pending receives (after a failure both sides start afresh)."""
         self._sent.clear()
+        self._sent_sig.clear()
         self._received.clear()
         self._unresolved.clear()
 
@@ -521,7 +672,7 @@ class Waiter:
         self.where = where
         self._bg: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._finished: deque[_Job] = deque()
-        self._outstanding: deque[_Job] = deque()
+        self._outstanding: deque[tuple[list[Any], str, Any, Callable[[], None] | None]] = deque()
         threading.Thread(target=_serve, args=(self._bg, self._finished), daemon=True, name="pipetrain-sends").start()
 
     def wait(self, works: list[Any], what: str) -> None:
@@ -539,7 +690,7 @@ class Waiter:
 
     def background(self, works: list[Any], keep: Any, on_done: Callable[[], None] | None, what: str) -> None:
         """Remember a posted send; :meth:`drain` waits for all of them at the end of the step."""
-        self._outstanding.append(_Job(works, what, keep, on_done))
+        self._outstanding.append((works, what, keep, on_done))
 
     def run_callbacks(self) -> None:
         while self._finished:
@@ -554,14 +705,14 @@ class Waiter:
         if self._outstanding:
             jobs = list(self._outstanding)
             self._outstanding.clear()
-            works = [w for job in jobs for w in job.works]
-            what = ", ".join(job.what for job in jobs[:3]) + (f" and {len(jobs) - 3} more" if len(jobs) > 3 else "")
-            batch = _Job(works, f"sends {what}", [job.keep for job in jobs])
+            works = [w for job in jobs for w in job[0]]
+            what = ", ".join(job[1] for job in jobs[:3]) + (f" and {len(jobs) - 3} more" if len(jobs) > 3 else "")
+            batch = _Job(works, f"sends {what}", [job[2] for job in jobs])
             self._bg.put(batch)
             self._block(batch)
-            for job in jobs:
-                if job.on_done is not None:
-                    self._finished.append(job)
+            for job_works, job_what, _, on_done in jobs:
+                if on_done is not None:
+                    self._finished.append(_Job(job_works, job_what, None, on_done))
         self.run_callbacks()
 
     def _block(self, job: _Job) -> None:

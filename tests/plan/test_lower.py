@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import random
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -270,3 +273,32 @@ def test_random_valid_schedules_lower_to_valid_schedules(
     plain.validate()
     for r in range(s.num_ranks):
         assert compute_only(plain.actions[r]) == compute_only(s.actions[r])
+
+
+@pytest.mark.parametrize("name", schedule_names())
+def test_one_sweep_lowering_equals_the_public_passes_in_a_row(name: str) -> None:
+    """lower() fuses the passes into one sweep per rank; it must equal applying them one by one."""
+    for p, m, v in [(1, 1, None), (2, 3, None), (3, 4, 2), (4, 8, None), (4, 17, 3)]:
+        try:
+            s = build_schedule(name, p, m, v)
+        except ScheduleError:
+            continue
+        for prefetch, grad, merge in itertools.product((0, 1, 2), (False, True), (False, True)):
+            fused = _outcome(lower, s, fsdp=True, prefetch=prefetch, grad_reduce=grad, merge_iw=merge)
+            chained = _outcome(_chain, s, prefetch, grad, merge)
+            assert fused == chained, (name, p, m, v, prefetch, grad, merge)
+
+
+def _chain(s: Schedule, prefetch: int, grad: bool, merge: bool) -> Schedule:
+    chained = merge_input_weight(s) if merge else s
+    if grad:
+        chained = add_grad_reduction(chained)
+    return add_communication(add_fsdp(chained, prefetch))
+
+
+def _outcome(make: Callable[..., Schedule], *args: Any, **kwargs: Any) -> Schedule | str:
+    """The schedule, or the error message, so that both ways must fail alike too."""
+    try:
+        return make(*args, **kwargs)
+    except ScheduleError as err:
+        return str(err)

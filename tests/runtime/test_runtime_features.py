@@ -99,7 +99,7 @@ def _batches(sizes: list[tuple[int, int]]) -> list[tuple[torch.Tensor, torch.Ten
     return out
 
 
-def _features(rank: int, world: int) -> list[str]:
+def _features(rank: int, world: int, single_tag: bool) -> list[str]:
     from pipetrain import PipelineStage, get_schedule_class
 
     cases = [
@@ -129,6 +129,7 @@ def _features(rank: int, world: int) -> list[str]:
 
             st.free_output_storage = counting  # type: ignore[method-assign]
         sched = cls(stages, m, loss_fn=nn.functional.mse_loss)
+        assert sched._transport.single_tag is single_tag
         seen: list[weakref.ref[torch.Tensor]] = []
         if 1 in mine:  # activations of a middle stage: received input and sent output
             mods[1].register_forward_hook(
@@ -157,6 +158,11 @@ def _features(rank: int, world: int) -> list[str]:
     return done
 
 
-def test_structured_boundaries_kwargs_uneven_and_changing_shapes() -> None:
-    results = run_ranks(_features, 2)
+@pytest.mark.parametrize("single_tag", [False, True], ids=["tags", "single_tag"])
+def test_structured_boundaries_kwargs_uneven_and_changing_shapes(
+    single_tag: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Shape changes need follow-up messages: ``single_tag`` checks they match by order alone (NCCL)."""
+    monkeypatch.setenv("PIPETRAIN_SINGLE_TAG", "1" if single_tag else "0")
+    results = run_ranks(_features, 2, single_tag)
     assert len(results[0]) == len(results[1]) == 5

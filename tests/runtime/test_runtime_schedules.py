@@ -10,7 +10,7 @@ from _models import make_batch, make_layers, reference, stages_per_rank
 pytestmark = pytest.mark.slow
 
 
-def _check_all_schedules(rank: int, world: int, kinds: tuple[str, ...]) -> list[str]:
+def _check_all_schedules(rank: int, world: int, kinds: tuple[str, ...], single_tag: bool) -> list[str]:
     from torch import nn
 
     from pipetrain import PipelineStage, get_schedule_class
@@ -30,6 +30,7 @@ def _check_all_schedules(rank: int, world: int, kinds: tuple[str, ...]) -> list[
             stages = [PipelineStage(layers[s], s, num_stages, "cpu") for s in mine]
             cls = get_schedule_class(name)
             sched = cls(stages if v > 1 else stages[0], m, loss_fn=nn.functional.mse_loss)
+            assert sched._transport.single_tag is single_tag
             losses: list[torch.Tensor] = []
             is_first, is_last = 0 in mine, num_stages - 1 in mine
             out = sched.step(*((x,) if is_first else ()), target=y if is_last else None, losses=losses)
@@ -59,9 +60,12 @@ def _check_all_schedules(rank: int, world: int, kinds: tuple[str, ...]) -> list[
     return done
 
 
+@pytest.mark.parametrize("single_tag", [False, True], ids=["tags", "single_tag"])
 @pytest.mark.parametrize("world", [2, 4])
-def test_every_schedule_matches_plain_training(world: int) -> None:
+def test_every_schedule_matches_plain_training(world: int, single_tag: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``single_tag`` puts every operation on one tag: gloo then matches like NCCL, by order only."""
     from pipetrain.plan import schedule_names
 
-    results = run_ranks(_check_all_schedules, world, ("mlp", "transformer"))
+    monkeypatch.setenv("PIPETRAIN_SINGLE_TAG", "1" if single_tag else "0")
+    results = run_ranks(_check_all_schedules, world, ("mlp", "transformer"), single_tag)
     assert all(len(r) == 2 * len(schedule_names()) for r in results)

@@ -3,7 +3,9 @@
 ``lower`` composes separate passes, each generic (it reads dependencies, never schedule names)
 and linear in the number of actions: merging I+W into B, gradient reduction, FSDP
 unshard/reshard, and communication, in that order (communication last, so that nothing is ever
-inserted inside a SEND/RECV group).
+inserted inside a SEND/RECV group). With communication (the usual case) the last three run as
+one sweep per rank (:mod:`pipetrain.plan.passes.fused`, same result as the passes in a row), on
+the unit-time run that also proves the schedule runs to the end.
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.passes._graph import OVERLAP, B, F, I, W, gc_paused
 from pipetrain.plan.passes.communication import add_communication
 from pipetrain.plan.passes.fsdp import add_fsdp, check_prefetch, fsdp_pass
-from pipetrain.plan.passes.grad import add_grad_reduction, grad_reduction_pass
 from pipetrain.plan.passes.fused import lower_compute
+from pipetrain.plan.passes.grad import add_grad_reduction, grad_reduction_pass
 from pipetrain.plan.passes.merge import merge_input_weight
 from pipetrain.plan.schedule import Schedule
 from pipetrain.plan.validate import check_structure, validate

@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 from pipetrain.plan.actions import Action, ActionKind
 from pipetrain.plan.costs import Costs
 from pipetrain.plan.errors import ScheduleError
+from pipetrain.plan.passes._graph import gc_paused
 from pipetrain.plan.schedule import Schedule
 from pipetrain.plan.timeline import Timeline, TimelineEvent
 
@@ -269,6 +270,11 @@ def _overlap_op(
 
 def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
     """Simulate ``schedule`` under ``costs`` (default: F=1, I=W=1, B=2, comm 0); see the module docs."""
+    with gc_paused():  # many small acyclic objects: the cyclic collector only costs time here
+        return _simulate(schedule, costs)
+
+
+def _simulate(schedule: Schedule, costs: Costs | None) -> SimResult:
     costs = Costs() if costs is None else costs
     n_st, n_mb, n_rk = schedule.num_stages, schedule.num_microbatches, schedule.num_ranks
     n_cells = n_st * n_mb

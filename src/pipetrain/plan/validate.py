@@ -58,7 +58,10 @@ class _Index:
     node_step: list[int]  # step of each compute node on its rank, -1 when absent
     x_kind: bytearray  # per (s, m): whether X is a B or an I
     has_backward: bool = False
-    comm: list[tuple[int, int, Action]] = field(default_factory=list)
+    # SEND/RECV in scan order as three parallel lists (no tuple per op: there are many).
+    comm_rank: list[int] = field(default_factory=list)
+    comm_step: list[int] = field(default_factory=list)
+    comm_action: list[Action] = field(default_factory=list)
     reduce: list[tuple[int, int, Action]] = field(default_factory=list)
 
 
@@ -85,7 +88,7 @@ def _structure(schedule: Schedule) -> _Index:
 
 def _validate(schedule: Schedule) -> None:
     index = _structure(schedule)
-    comm = _CommPlan(index) if index.comm else None
+    comm = _CommPlan(index) if index.comm_rank else None
     if index.reduce:
         _check_reduce_grad(index)
     _execute(index, comm)
@@ -104,6 +107,7 @@ def _scan(schedule: Schedule) -> _Index:
     shard = bytearray(S)
     first_unshard = [-1] * S
     has_backward = False
+    comm_rank, comm_step, comm_action = index.comm_rank, index.comm_step, index.comm_action
 
     def record(part: Action, rank: int, step: int, action: Action) -> None:
         """The slow path for one compute part (OVERLAP_F_B parts, and errors)."""
@@ -193,7 +197,9 @@ def _scan(schedule: Schedule) -> _Index:
                 elif kind is REDUCE_GRAD:
                     index.reduce.append((rank, step, action))
                 else:
-                    index.comm.append((rank, step, action))
+                    comm_rank.append(rank)
+                    comm_step.append(step)
+                    comm_action.append(action)
     index.has_backward = has_backward
     _check_unshard_first(index, first_unshard)
     return index
@@ -205,6 +211,9 @@ def _check_unshard_first(index: _Index, first_unshard: list[int]) -> None:
     node_step = index.node_step
     for s, first in enumerate(first_unshard):
         if first < 0:
+            continue
+        # Any node of the stage computed before ``first``? (A min over slices: one check per node.)
+        if all(min(node_step[g * SM + s * M : g * SM + s * M + M]) >= first for g in range(3)):
             continue
         steps = [(node_step[g * SM + s * M + m], g * SM + s * M + m) for g in range(3) for m in range(M)]
         early = min(((st, node) for st, node in steps if st >= 0), default=(first, -1))
@@ -283,11 +292,10 @@ class _CommPlan:
         ids, rank_of, node_step = index.ids, index.rank_of, index.node_step
         S, M, SM = ids.S, ids.M, ids.SM
         R = index.schedule.num_ranks
-        comm = index.comm
-        n = len(comm)
-        self.op_rank = [r for r, _, _ in comm]
-        self.op_step = [k for _, k, _ in comm]
-        self.op_action: list[Action] = [a for _, _, a in comm]
+        n = len(index.comm_rank)
+        self.op_rank = index.comm_rank
+        self.op_step = index.comm_step
+        self.op_action: list[Action] = index.comm_action
         self.op_msg = [0] * n
         self.token = [-1] * n
         self.peer = [-1] * n
@@ -301,12 +309,18 @@ class _CommPlan:
         sends: dict[int, list[int]] = {}
         recvs: dict[int, list[int]] = {}
         op_msg, token, op_group = self.op_msg, self.token, self.op_group
-        group_ops = self.group_ops
+        group_ops, group_rank, group_start, rank_groups = (
+            self.group_ops,
+            self.group_rank,
+            self.group_start,
+            self.rank_groups,
+        )
+        gid = -1
         has_backward = index.has_backward
         msg_base = 3 * SM
         last_rank, last_step = -1, -2
         current: list[int] = []
-        for op, (rank, step, action) in enumerate(comm):
+        for op, (rank, step, action) in enumerate(zip(self.op_rank, self.op_step, self.op_action, strict=True)):
             kind, s, m = action.kind, action.stage, action.microbatch
             assert m is not None
             # msg: the producer's F or X node id, which is also the message id.
@@ -339,13 +353,14 @@ class _CommPlan:
                 token[op] = msg_base + msg
             op_msg[op] = msg
             if rank != last_rank or step != last_step + 1:
+                gid += 1
                 current = []
                 group_ops.append(current)
-                self.group_rank.append(rank)
-                self.group_start.append(step)
-                self.rank_groups[rank].append(len(group_ops) - 1)
+                group_rank.append(rank)
+                group_start.append(step)
+                rank_groups[rank].append(gid)
             current.append(op)
-            op_group[op] = len(group_ops) - 1
+            op_group[op] = gid
             last_rank, last_step = rank, step
         self._check_carried(index, send_op, recv_op)
         self._match_fifo(index, sends, recvs)

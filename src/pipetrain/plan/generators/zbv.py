@@ -167,7 +167,9 @@ def build(num_ranks: int, num_microbatches: int, stages_per_rank: int | None) ->
     for rank in range(num_ranks):
         full = _rank_program(rank, num_ranks, n)
         # Trim the microbatches added to fill the V (none when m >= 2p-1).
-        programs[rank] = full if n == num_microbatches else [a for a in full if _keep(a, num_microbatches)]
+        programs[rank] = (
+            full if n == num_microbatches else [a for a in full if a is not None and _keep(a, num_microbatches)]
+        )
     return make_schedule(programs, v_placement(num_ranks), num_microbatches)
 
 

@@ -34,9 +34,9 @@ def part_needs(part: Action, ids: Ids) -> list[int]:
 
 
 def unit_time_run(schedule: Schedule) -> tuple[list[list[int]], list[list[tuple[int, Action]]]]:
-    """Per rank, the start time of each compute action in program order; and the compute actions
-    bucketed by start time as ``(rank, action)`` pairs (the order within a time unit is that of
-    the run: deterministic).
+    """Per rank, the start time of each compute action in program order; and the compute parts
+    (an OVERLAP_F_B's parts, or the action) bucketed by start time as ``(rank, part)`` pairs (the
+    order within a time unit is that of the run: deterministic).
 
     Raises :class:`ScheduleError` (from :func:`~pipetrain.plan.validate.validate`, which names the
     stuck ranks) when the compute schedule cannot run to the end.
@@ -123,7 +123,7 @@ def unit_time_run(schedule: Schedule) -> tuple[list[list[int]], list[list[tuple[
                 row.append(t0)
                 while len(by_time) <= t0:
                     by_time.append([])
-                by_time[t0].append((r, a))
+                by_time[t0].extend([(r, p) for p in parts])
                 t0 += 1
                 for node in own:
                     end[node] = t0

@@ -52,7 +52,7 @@ def communication_pass(schedule: Schedule) -> Schedule:
         append = out.append
         # The messages of the gap after a compute action (placed right after it) are those that
         # arrive by the next compute action's start; before the first compute, by its start.
-        bounds = row + [makespan + 1]
+        bounds = [*row, makespan + 1]
         p = bisect_right(ev, bounds[0])
         out.extend(comm[:p])
         j = 0
@@ -80,36 +80,34 @@ def collect_messages(
     each message goes to both its ranks at once: every rank's list is then in time order, and two
     ranks see the messages between them in the same order (FIFO), without sorting.
     """
-    R, S = schedule.num_ranks, schedule.num_stages
-    rank_of = [schedule.stage_to_rank[s] for s in range(S)]
+    num_ranks, num_stages = schedule.num_ranks, schedule.num_stages
+    rank_of = [schedule.stage_to_rank[s] for s in range(num_stages)]
     prev_cross, next_cross = cross_rank_flags(rank_of)
     # Where each stage's forward output / input-gradient goes, or -1 when it stays on the rank.
-    f_dst = [rank_of[s + 1] if next_cross[s] else -1 for s in range(S)]
-    b_dst = [rank_of[s - 1] if prev_cross[s] else -1 for s in range(S)]
-    times: list[list[int]] = [[] for _ in range(R)]  # arrival time of each message, per rank
-    acts: list[list[Action]] = [[] for _ in range(R)]
+    f_dst = [rank_of[s + 1] if next_cross[s] else -1 for s in range(num_stages)]
+    b_dst = [rank_of[s - 1] if prev_cross[s] else -1 for s in range(num_stages)]
+    times: list[list[int]] = [[] for _ in range(num_ranks)]  # arrival time of each message, per rank
+    acts: list[list[Action]] = [[] for _ in range(num_ranks)]
     for st, bucket in enumerate(by_time):
         end_time = st + 1
-        for r, producer in bucket:
-            subs = producer.sub_actions
-            for part in (producer,) if subs is None else subs:
-                k = part.kind
-                if k is F:
-                    s = part.stage
-                    d = f_dst[s]
-                    if d >= 0:
-                        m = part.microbatch
-                        times[r].append(end_time)
-                        acts[r].append(make_action(s, SEND_F, m))
-                        times[d].append(end_time)
-                        acts[d].append(make_action(s + 1, RECV_F, m))
-                elif k is B or k is I:
-                    s = part.stage
-                    d = b_dst[s]
-                    if d >= 0:
-                        m = part.microbatch
-                        times[r].append(end_time)
-                        acts[r].append(make_action(s, SEND_B, m))
-                        times[d].append(end_time)
-                        acts[d].append(make_action(s - 1, RECV_B, m))
+        for r, part in bucket:
+            k = part.kind
+            if k is F:
+                s = part.stage
+                d = f_dst[s]
+                if d >= 0:
+                    m = part.microbatch
+                    times[r].append(end_time)
+                    acts[r].append(make_action(s, SEND_F, m))
+                    times[d].append(end_time)
+                    acts[d].append(make_action(s + 1, RECV_F, m))
+            elif k is B or k is I:
+                s = part.stage
+                d = b_dst[s]
+                if d >= 0:
+                    m = part.microbatch
+                    times[r].append(end_time)
+                    acts[r].append(make_action(s, SEND_B, m))
+                    times[d].append(end_time)
+                    acts[d].append(make_action(s - 1, RECV_B, m))
     return times, acts

@@ -59,27 +59,43 @@ def fsdp_slots(
 ) -> tuple[Slots, Slots]:
     """What goes before and after each compute action of one rank (indexed like ``computes``).
 
-    One dict look-up per plain action (its stage's last use), the parts of an OVERLAP_F_B
-    apart: this runs once per compute action of the schedule.
+    A list indexed by stage holds each stage's last use, and a plain action (no sub-actions)
+    takes no tuple of parts: this runs once per compute action of the schedule.
     """
     n = len(computes)
     before: Slots = [None] * n
     after: Slots = [None] * n
-    last_use: dict[int, int] = {}
+    last_use = [-1] * len(unshard)
+    first_seen: list[int] = []  # stages in order of first use
     window = prefetch + 1
-    for k, action in enumerate(computes):
-        for part in (action,) if action.sub_actions is None else action.sub_actions:
-            s = part.stage
-            prev = last_use.get(s)
-            if prev is not None and (prev == k or k - prev <= window):
-                last_use[s] = k
-                continue
-            if prev is not None:
-                _add(after, prev, reshard[s])
-            _add(before, max(0, k - prefetch) if prev is None else k - prefetch, unshard[s])
+
+    def use(s: int, k: int) -> None:
+        prev = last_use[s]
+        if prev >= 0 and k - prev <= window:  # still unsharded from the last use (or this one)
             last_use[s] = k
-    for s, k in last_use.items():
-        _add(after, k, reshard[s])
+            return
+        if prev >= 0:
+            _add(after, prev, reshard[s])
+            _add(before, k - prefetch, unshard[s])
+        else:
+            first_seen.append(s)
+            _add(before, max(0, k - prefetch), unshard[s])
+        last_use[s] = k
+
+    for k, action in enumerate(computes):
+        subs = action.sub_actions
+        if subs is None:
+            s = action.stage
+            prev = last_use[s]
+            if prev >= 0 and k - prev <= window:
+                last_use[s] = k
+            else:
+                use(s, k)
+        else:
+            for part in subs:
+                use(part.stage, k)
+    for s in first_seen:
+        _add(after, last_use[s], reshard[s])
     return before, after
 
 

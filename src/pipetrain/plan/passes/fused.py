@@ -17,7 +17,7 @@ from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.passes._timing import unit_time_run
 from pipetrain.plan.passes.communication import collect_messages
 from pipetrain.plan.passes.fsdp import Slots, fsdp_actions, fsdp_slots
-from pipetrain.plan.passes.grad import FORWARD_ONLY, reduce_slots
+from pipetrain.plan.passes.grad import FORWARD_ONLY, reduce_slots, stage_counts
 from pipetrain.plan.schedule import Schedule
 
 
@@ -32,6 +32,7 @@ def lower_compute(schedule: Schedule, *, grad_reduce: bool, fsdp: bool, prefetch
     makespan = len(by_time)
     unshard, reshard = fsdp_actions(schedule.num_stages) if fsdp else ([], [])
     any_backward = False
+    counts = stage_counts(schedule)
     lowered: dict[int, list[Action | None]] = {}
     for r in range(schedule.num_ranks):
         computes = [a for a in schedule.actions[r] if a is not None]
@@ -41,7 +42,7 @@ def lower_compute(schedule: Schedule, *, grad_reduce: bool, fsdp: bool, prefetch
         reduce = empty
         if grad_reduce or fsdp:
             if grad_reduce:
-                reduce = reduce_slots(computes)
+                reduce = reduce_slots(computes, counts[r])
                 any_backward = any_backward or any(reduce)
             if fsdp:
                 before, after = fsdp_slots(computes, prefetch, unshard, reshard)
@@ -51,8 +52,9 @@ def lower_compute(schedule: Schedule, *, grad_reduce: bool, fsdp: bool, prefetch
         bounds.append(makespan + 1)
         ev, comm = times[r], acts[r]
         p = bisect_right(ev, bounds[0])
-        out: list[Action | None] = comm[:p]
+        out: list[Action | None] = []
         append, extend = out.append, out.extend
+        extend(comm[:p])
         for action, first, bound, second, third in zip(computes, before, bounds[1:], reduce, after, strict=True):
             if first:
                 extend(first)

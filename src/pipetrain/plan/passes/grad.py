@@ -28,10 +28,11 @@ def grad_reduction_pass(schedule: Schedule) -> Schedule:
     """:func:`add_grad_reduction` without the repeat check (for ``lower``)."""
     out: dict[int, list[Action | None]] = {}
     any_backward = False
+    counts = stage_counts(schedule)
     for r in range(schedule.num_ranks):
         program = schedule.actions[r]
         computes = compute_actions(program)
-        after = reduce_slots(computes)
+        after = reduce_slots(computes, counts[r])
         any_backward = any_backward or any(after)
         out[r] = insert_around_compute(program, [None] * len(computes), after, _SKIP_AFTER)
     if not any_backward:
@@ -39,19 +40,20 @@ def grad_reduction_pass(schedule: Schedule) -> Schedule:
     return schedule._derived(out)
 
 
-def reduce_slots(computes: Sequence[Action]) -> list[list[Action] | None]:
-    """The REDUCE_GRAD actions after each compute action of one rank (indexed like ``computes``)."""
+def reduce_slots(computes: Sequence[Action], num_stages_here: int) -> list[list[Action] | None]:
+    """The REDUCE_GRAD actions after each compute action of one rank (indexed like ``computes``).
+
+    The scan runs backwards and stops once each of the rank's ``num_stages_here`` stages has
+    shown its last B or W: usually a few actions from the end.
+    """
     last: dict[int, int] = {}
-    for k, action in enumerate(computes):
-        subs = action.sub_actions
-        if subs is None:
-            kind = action.kind
-            if kind is B or kind is W:
-                last[action.stage] = k
-        else:
-            for part in subs:
-                if part.kind is B or part.kind is W:
-                    last[part.stage] = k
+    for k in range(len(computes) - 1, -1, -1):
+        action = computes[k]
+        for part in action.parts:
+            if (part.kind is B or part.kind is W) and part.stage not in last:
+                last[part.stage] = k
+        if len(last) >= num_stages_here:
+            break
     after: list[list[Action] | None] = [None] * len(computes)
     for s in sorted(last):
         k = last[s]
@@ -61,3 +63,11 @@ def reduce_slots(computes: Sequence[Action]) -> list[list[Action] | None]:
         else:
             bucket.append(make_action(s, REDUCE_GRAD))
     return after
+
+
+def stage_counts(schedule: Schedule) -> list[int]:
+    """How many stages each rank holds."""
+    counts = [0] * schedule.num_ranks
+    for r in schedule.stage_to_rank.values():
+        counts[r] += 1
+    return counts
