@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from pipetrain.plan import Action, ActionKind, Schedule, ScheduleError, build_schedule
 from pipetrain.plan.costs import Costs
-from pipetrain.plan.generators.interleaved_zb import memory_cap, rounds
+from pipetrain.plan.generators._common import microbatch_groups
+from pipetrain.plan.generators.interleaved_zb import memory_cap
 from pipetrain.plan.simulate import simulate
 
 ZB_NAMES = ("ZBH1", "ZBH2", "InterleavedZeroBubble")
@@ -231,7 +232,7 @@ def test_interleaved_zb_defaults_to_two_stages_per_rank() -> None:
 @given(p=ranks, m=microbatches)
 @PROPERTY_SETTINGS
 def test_rounds_cover_microbatches_evenly(p: int, m: int) -> None:
-    blocks = rounds(p, m)
+    blocks = microbatch_groups(p, m)
     assert [mb for block in blocks for mb in block] == list(range(m))
     assert len(blocks) == max(1, m // p)
     assert max(map(len, blocks)) - min(map(len, blocks)) <= 1

@@ -20,6 +20,28 @@ def loop_placement(num_ranks: int, stages_per_rank: int) -> dict[int, int]:
     return {s: s % num_ranks for s in range(num_ranks * stages_per_rank)}
 
 
+def loop_stages(rank: int, num_ranks: int, stages_per_rank: int) -> list[int]:
+    """The stages rank ``rank`` holds under loop placement, in pipeline order."""
+    return [rank + chunk * num_ranks for chunk in range(stages_per_rank)]
+
+
+def microbatch_groups(num_ranks: int, num_microbatches: int) -> list[range]:
+    """Consecutive microbatch groups (Megatron's rounds of about P), for the interleaved schedules.
+
+    ``m // p`` groups (at least one) whose sizes differ by at most one, larger groups first, so
+    any number of microbatches works without a short trailing group.
+    """
+    count = max(1, num_microbatches // num_ranks)
+    size, extra = divmod(num_microbatches, count)
+    groups: list[range] = []
+    start = 0
+    for index in range(count):
+        length = size + (1 if index < extra else 0)
+        groups.append(range(start, start + length))
+        start += length
+    return groups
+
+
 def v_placement(num_ranks: int) -> dict[int, int]:
     """Rank r holds stages r and 2P-1-r (ZB-V, DualPipe-V)."""
     placement = {r: r for r in range(num_ranks)}

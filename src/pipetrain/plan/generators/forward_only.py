@@ -8,7 +8,7 @@ freed when each forward ends.
 
 from __future__ import annotations
 
-from pipetrain.plan.generators._common import F, Program, loop_placement, make_schedule, require
+from pipetrain.plan.generators._common import F, Program, loop_placement, loop_stages, make_schedule, require
 from pipetrain.plan.generators._registry import ScheduleFamily, register
 from pipetrain.plan.schedule import Schedule
 
@@ -19,7 +19,7 @@ def build(num_ranks: int, num_microbatches: int, stages_per_rank: int | None) ->
     v = 1 if stages_per_rank is None else stages_per_rank
     require(v >= 1, NAME, f"stages_per_rank >= 1 (got {v})")
     programs: dict[int, Program] = {
-        rank: [F(rank + chunk * num_ranks, m) for chunk in range(v) for m in range(num_microbatches)]
+        rank: [F(stage, m) for stage in loop_stages(rank, num_ranks, v) for m in range(num_microbatches)]
         for rank in range(num_ranks)
     }
     return make_schedule(programs, loop_placement(num_ranks, v), num_microbatches)

@@ -19,26 +19,22 @@ torch's, and Megatron's when p divides m.
 from __future__ import annotations
 
 from pipetrain.plan.actions import Action
-from pipetrain.plan.generators._common import B, F, Program, loop_placement, make_schedule, require
+from pipetrain.plan.generators._common import (
+    B,
+    F,
+    Program,
+    loop_placement,
+    loop_stages,
+    make_schedule,
+    microbatch_groups,
+    require,
+)
 from pipetrain.plan.generators._registry import ScheduleFamily, register
 from pipetrain.plan.generators.one_f_one_b import one_forward_one_backward
 from pipetrain.plan.schedule import Schedule
 
 NAME = "Interleaved1F1B"
 DEFAULT_STAGES_PER_RANK = 2
-
-
-def microbatch_groups(num_ranks: int, num_microbatches: int) -> list[range]:
-    """Consecutive microbatch groups: ``m // p`` of them (at least one), sizes differing by at most one, larger first."""
-    count = max(1, num_microbatches // num_ranks)
-    size, extra = divmod(num_microbatches, count)
-    groups: list[range] = []
-    start = 0
-    for index in range(count):
-        length = size + (1 if index < extra else 0)
-        groups.append(range(start, start + length))
-        start += length
-    return groups
 
 
 def warmup_forwards(rank: int, num_ranks: int, stages_per_rank: int, first_group: int) -> int:
@@ -56,7 +52,7 @@ def rank_orders(
     rank: int, num_ranks: int, stages_per_rank: int, groups: list[range]
 ) -> tuple[list[Action], list[Action]]:
     """The forward order and the backward order of one rank's (stage, microbatch) pairs."""
-    stages = [rank + chunk * num_ranks for chunk in range(stages_per_rank)]
+    stages = loop_stages(rank, num_ranks, stages_per_rank)
     forwards = [F(stage, m) for group in groups for stage in stages for m in group]
     backwards = [B(stage, m) for group in groups for stage in reversed(stages) for m in group]
     return forwards, backwards

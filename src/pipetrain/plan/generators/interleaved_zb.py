@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pipetrain.plan.generators._common import F, I, Program, W, loop_placement, make_schedule
+from pipetrain.plan.generators._common import F, I, Program, W, loop_placement, make_schedule, microbatch_groups
 from pipetrain.plan.generators._registry import ScheduleFamily, register
 from pipetrain.plan.schedule import Schedule
 
@@ -54,28 +54,15 @@ def split_backward_program(
     return program
 
 
-def rounds(num_ranks: int, num_microbatches: int) -> list[range]:
-    """Microbatches split into max(1, m // P) consecutive rounds whose sizes differ by at most one."""
-    count = max(1, num_microbatches // num_ranks)
-    base, extra = divmod(num_microbatches, count)
-    out: list[range] = []
-    start = 0
-    for k in range(count):
-        size = base + (1 if k < extra else 0)
-        out.append(range(start, start + size))
-        start += size
-    return out
-
-
 def memory_cap(num_ranks: int, num_microbatches: int, stages_per_rank: int) -> int:
     """Most activations any rank holds: ``(v-1)*g + P``, and never more than all v*m."""
-    g = len(rounds(num_ranks, num_microbatches)[0])
+    g = len(microbatch_groups(num_ranks, num_microbatches)[0])
     return min(stages_per_rank * num_microbatches, (stages_per_rank - 1) * g + num_ranks)
 
 
 def rank_program(rank: int, num_ranks: int, num_microbatches: int, stages_per_rank: int) -> Program:
     p, v = num_ranks, stages_per_rank
-    blocks = rounds(p, num_microbatches)
+    blocks = microbatch_groups(p, num_microbatches)
     local = [rank + k * p for k in range(v)]
     forwards = [(s, mb) for block in blocks for s in local for mb in block]
     backwards = [(s, mb) for block in blocks for s in reversed(local) for mb in block]

@@ -9,7 +9,7 @@ is that every rank holds all ``v·m`` activations at its peak.
 
 from __future__ import annotations
 
-from pipetrain.plan.generators._common import B, F, Program, loop_placement, make_schedule, require
+from pipetrain.plan.generators._common import B, F, Program, loop_placement, loop_stages, make_schedule, require
 from pipetrain.plan.generators._registry import ScheduleFamily, register
 from pipetrain.plan.schedule import Schedule
 
@@ -23,7 +23,7 @@ def build(num_ranks: int, num_microbatches: int, stages_per_rank: int | None) ->
     mbs = range(num_microbatches)
     programs: dict[int, Program] = {}
     for rank in range(num_ranks):
-        stages = [rank + chunk * num_ranks for chunk in range(v)]
+        stages = loop_stages(rank, num_ranks, v)
         program: Program = [F(stage, m) for stage in stages for m in mbs]
         program += [B(stage, m) for stage in reversed(stages) for m in reversed(mbs)]
         programs[rank] = program
