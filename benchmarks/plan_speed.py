@@ -7,11 +7,14 @@ lower it with the same passes (``lower(fsdp=True, grad_reduce=True)``, which rej
 ``validate()`` rejects: its structural checks, then the unit-time run that placing the messages
 needs anyway decides whether the programs run to the end); validating the lowered schedule (the
 NCCL deadlock model; torch has no equivalent) is timed in its own column. Both
-sides run in one process, after ``gc.freeze()`` of what the imports allocated.
+sides run in one process, after ``gc.freeze()`` of what the imports allocated, and both keep the
+best of several runs, each after a full collection: ours ``--repeat`` (default 3), torch's
+``--torch-repeat`` (default 3 at 32 ranks and 1 at 64, where one construction takes tens of
+seconds).
 
-Run: ``.venv/bin/python benchmarks/plan_speed.py [--repeat N] [--no-torch]``. Prints a markdown
-table: per configuration our times, torch's, the speed-up, and the growth from the smaller to
-the larger size (4× the actions: linear growth is about 4×).
+Run: ``.venv/bin/python benchmarks/plan_speed.py [--repeat N] [--torch-repeat N] [--no-torch]``.
+Prints a markdown table: per configuration our times, torch's, the speed-up, and the growth from
+the smaller to the larger size (4× the actions: linear growth is about 4×).
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ import argparse
 import gc
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from pipetrain.plan import build_schedule
@@ -34,22 +36,11 @@ CONFIGS = [
 STAGES_PER_RANK = 2
 
 
-@dataclass
-class FakeStage:
-    """What torch's schedule constructors read from a stage, and nothing more."""
-
-    stage_index: int
-    num_stages: int
-    group_size: int
-    group_rank: int = 0
-    submod: Any = None
-    stage_index_to_group_rank: dict[int, int] = field(default_factory=dict)
-
-
 def best_of(repeat: int, fn: Callable[[], Any]) -> tuple[float, Any]:
     """Fastest of ``repeat`` runs (each after a full collection, as in a fresh process)."""
     best, result = float("inf"), None
     for _ in range(repeat):
+        result = None  # the previous run's result is garbage before the next one starts
         gc.collect()
         start = time.perf_counter()
         result = fn()
@@ -74,29 +65,36 @@ def ours(name: str, p: int, m: int, repeat: int) -> dict[str, float | int]:
     }
 
 
-def torch_constructor(name: str, p: int, m: int) -> float:
-    from torch.distributed.pipelining import schedules as ts
+def torch_repeat_for(p: int, requested: int | None) -> int:
+    """Runs of torch's constructor to keep the best of: ``requested``, else 3 up to 32 ranks and 1 above."""
+    if requested is not None:
+        return requested
+    return 3 if p <= 32 else 1
 
-    n = p * STAGES_PER_RANK
-    if name == "ZBVZeroBubble":
-        stages = [FakeStage(0, n, p), FakeStage(n - 1, n, p)]
-        cls: Any = ts.ScheduleZBVZeroBubble
-    else:
-        stages = [FakeStage(k * p, n, p) for k in range(STAGES_PER_RANK)]
-        cls = ts.ScheduleInterleavedZeroBubble
-    gc.collect()
-    start = time.perf_counter()
-    cls(stages, m)
-    return time.perf_counter() - start
+
+def torch_constructor(name: str, p: int, m: int, repeat: int) -> float:
+    """Best of ``repeat`` constructions of torch's schedule (order, validation and its lowering passes)."""
+    from _torch_reference import torch_schedule_object
+
+    seconds, theirs = best_of(repeat, lambda: torch_schedule_object(name, p, m, STAGES_PER_RANK))
+    if theirs is None:
+        raise SystemExit(f"torch rejects {name} with {p} ranks × {STAGES_PER_RANK} stages × {m} microbatches")
+    return seconds
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3, help="runs per measurement of ours (best is kept)")
+    parser.add_argument(
+        "--torch-repeat",
+        type=int,
+        default=None,
+        help="runs per measurement of torch's constructor (best is kept; default 3 at 32 ranks, 1 at 64)",
+    )
     parser.add_argument("--no-torch", action="store_true", help="skip torch's constructors (they take minutes)")
     args = parser.parse_args()
     if not args.no_torch:
-        import torch.distributed.pipelining.schedules  # noqa: F401  (import cost outside the timings)
+        import _torch_reference  # noqa: F401  (imports torch: its cost stays outside the timings)
     # Move what the imports allocated (torch's many objects) out of the collector's way, so that
     # neither side's timings include rescanning them.
     gc.collect()
@@ -105,22 +103,28 @@ def main() -> None:
     rows = []
     for name, p, m in CONFIGS:
         mine = ours(name, p, m, args.repeat)
-        theirs = None if args.no_torch else torch_constructor(name, p, m)
-        rows.append((name, p, m, mine, theirs))
+        runs = torch_repeat_for(p, args.torch_repeat)
+        theirs = None if args.no_torch else torch_constructor(name, p, m, runs)
+        rows.append((name, p, m, mine, theirs, runs))
 
     print(
         "| schedule | ranks × stages × microbatches | actions (lowered) | build | validate | lower (incl. validate) "
         "| **build + lower** | validate lowered | torch constructor | speed-up |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for name, p, m, mine, theirs in rows:
-        torch_cell = "—" if theirs is None else f"{theirs:.2f} s"
+    for name, p, m, mine, theirs, runs in rows:
+        torch_cell = "—" if theirs is None else f"{theirs:.2f} s (best of {runs})"
         ratio = "—" if theirs is None else f"**{theirs / mine['total']:.0f}×**"
         print(
             f"| {name} | {p} × {STAGES_PER_RANK} × {m} | {mine['actions']:,} ({mine['lowered_actions']:,}) "
             f"| {mine['build']:.3f} s | {mine['validate']:.3f} s | {mine['lower']:.3f} s | **{mine['total']:.3f} s** "
             f"| {mine['validate_lowered']:.3f} s | {torch_cell} | {ratio} |"
         )
+    print()
+    print(
+        f"Times are the best of {args.repeat} runs for ours and of the runs shown for torch's constructor, "
+        "each run after a full collection."
+    )
     print()
     print("Growth from 32 × 2 × 256 to 64 × 2 × 512 (4× the actions; linear ≈ 4×):")
     for name in dict.fromkeys(n for n, _, _ in CONFIGS):

@@ -91,7 +91,8 @@ def _bench(
             times: dict[str, list[float]] = {"torch": [], "pipetrain": []}
             cpu: dict[str, list[float]] = {"torch": [], "pipetrain": []}
             for i in range(warmup + steps):
-                for label, sched, mods in (("torch", theirs, torch_layers), ("pipetrain", ours, ours_layers)):
+                pair = [("torch", theirs, torch_layers), ("pipetrain", ours, ours_layers)]
+                for label, sched, mods in pair if i % 2 == 0 else pair[::-1]:  # neither always goes first
                     for mod in mods:
                         mod.zero_grad(set_to_none=True)
                     dist.barrier()

@@ -302,28 +302,15 @@ def test_zbh2_is_never_slower_than_zbh1(f: float, i: float, w: float, p: int) ->
 
 
 # ------------------------------------------------------------------ against torch 2.13
-class _FakeStage:
-    """Just what torch's schedule constructors read from a stage to build their order."""
-
-    def __init__(self, index: int, num_stages: int, group_size: int) -> None:
-        self.stage_index = index
-        self.num_stages = num_stages
-        self.group_rank = 0
-        self.group_size = group_size
-        self.submod = None
-        self.is_first = index == 0
-        self.is_last = index == num_stages - 1
-        self.stage_index_to_group_rank: dict[int, int] = {}
-
-
 def torch_interleaved_zb(p: int, m: int, v: int) -> Schedule:
-    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
-    stages = [_FakeStage(k * p, p * v, p) for k in range(v)]
-    order = schedules.ScheduleInterleavedZeroBubble(stages, m).pipeline_order
-    return Schedule(
-        {r: [None if a is None else Action.parse(str(a)) for a in acts] for r, acts in order.items()},
-        num_microbatches=m,
-    )
+    """torch's InterleavedZeroBubble order (compute-only), from benchmarks/_torch_reference.py."""
+    import _torch_reference
+
+    theirs = _torch_reference.torch_schedule_object("InterleavedZeroBubble", p, m, v)
+    assert theirs is not None, f"torch rejects InterleavedZeroBubble with p={p} m={m} v={v}"
+    schedule: Schedule = _torch_reference.to_pipetrain(theirs)
+    assert schedule.num_microbatches == m
+    return schedule
 
 
 @pytest.mark.parametrize(("p", "m", "v"), [(2, 4, 2), (4, 2, 2), (4, 8, 2), (4, 10, 3), (4, 12, 4), (8, 16, 2)])

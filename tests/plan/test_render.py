@@ -68,7 +68,6 @@ def test_chrome_trace_measured_seconds_and_file(tmp_path: Path) -> None:
 
 
 def test_png_and_svg_pictures(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib")
     r = simulate(build_schedule("ZBVZeroBubble", 2, 4, 2), Costs(f=1, i=1, w=1))
     png, svg = tmp_path / "t.png", tmp_path / "t.svg"
     render_timeline(r.timeline, png)
@@ -81,7 +80,6 @@ def test_png_and_svg_pictures(tmp_path: Path) -> None:
 
 
 def test_stacked_measured_and_simulated(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib")
     sim = simulate(build_schedule("1F1B", 2, 3), Costs(f=1, b=2)).timeline
     measured = Timeline(
         2,

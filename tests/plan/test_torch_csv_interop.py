@@ -1,46 +1,30 @@
 """CSV interop with torch 2.13: its dumps load and validate here; our files load in its ``_load_csv``.
 
-torch builds its pipeline order in the schedule constructor; light stand-ins for its stage
-objects (the attributes the constructors read) are enough to build one without a process group.
+torch's schedule objects come from benchmarks/_torch_reference.py (built on stand-in stages,
+without a process group).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+import _torch_reference
 from pipetrain.plan import Schedule, ScheduleError, build_schedule, schedule_names
 
 pytestmark = pytest.mark.torch_interop
-ts = pytest.importorskip("torch.distributed.pipelining.schedules")
 
 
-@dataclass
-class FakeStage:
-    stage_index: int
-    num_stages: int
-    group_size: int
-    group_rank: int = 0
-    submod: Any = None
-    stage_index_to_group_rank: dict[int, int] = field(default_factory=dict)
+def torch_multi(name: str, p: int, m: int, v: int) -> Any:
+    """torch's schedule object ``name`` with ``v`` stages per rank (its own placement for the name)."""
+    theirs = _torch_reference.torch_schedule_object(name, p, m, v)
+    assert theirs is not None, f"torch rejects {name} with p={p} m={m} v={v}"
+    return theirs
 
 
-def torch_multi(cls: Any, p: int, m: int, v: int, *, v_shape: bool = False) -> Any:
-    n = p * v
-    indices = [0, n - 1] if v_shape else [k * p for k in range(v)]
-    return cls([FakeStage(i, n, p) for i in indices], m)
-
-
-TORCH_CLASSES = [
-    ("Interleaved1F1B", "ScheduleInterleaved1F1B", False),
-    ("LoopedBFS", "ScheduleLoopedBFS", False),
-    ("InterleavedZeroBubble", "ScheduleInterleavedZeroBubble", False),
-    ("ZBVZeroBubble", "ScheduleZBVZeroBubble", True),
-    ("DualPipeV", "ScheduleDualPipeV", True),
-]
+TORCH_NAMES = ["Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
 SIZES = [(2, 4), (3, 6), (4, 8), (4, 16)]
 
 
@@ -49,9 +33,9 @@ def cells(program: list[Any]) -> list[str]:
 
 
 @pytest.mark.parametrize(("p", "m"), SIZES)
-@pytest.mark.parametrize(("name", "cls_name", "v_shape"), TORCH_CLASSES)
-def test_torch_dumps_load_and_validate(name: str, cls_name: str, v_shape: bool, p: int, m: int, tmp_path: Path) -> None:
-    theirs = torch_multi(getattr(ts, cls_name), p, m, 2, v_shape=v_shape)
+@pytest.mark.parametrize("name", TORCH_NAMES)
+def test_torch_dumps_load_and_validate(name: str, p: int, m: int, tmp_path: Path) -> None:
+    theirs = torch_multi(name, p, m, 2)
     compute_csv, comms_csv = tmp_path / "compute.csv", tmp_path / "comms.csv"
     theirs._dump_csv(str(compute_csv), format="compute_only")
     theirs._dump_csv(str(comms_csv), format="compute_comms")
@@ -77,8 +61,7 @@ def torch_loader(s: Schedule) -> Any:
     p = s.num_ranks
     v = s.num_stages // p
     v_shape = v == 2 and s.stage_to_rank.get(p) == p - 1
-    cls = ts.ScheduleZBVZeroBubble if v_shape else ts.ScheduleLoopedBFS
-    return torch_multi(cls, p, s.num_microbatches, v, v_shape=v_shape)
+    return torch_multi("ZBVZeroBubble" if v_shape else "LoopedBFS", p, s.num_microbatches, v)
 
 
 def ours() -> list[tuple[str, int, int, int | None]]:

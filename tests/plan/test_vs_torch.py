@@ -1,103 +1,48 @@
 """Each generator against torch 2.13's schedule of the same name: never longer, never more memory.
 
-torch builds its compute-only pipeline order in the schedule constructor; lightweight stand-ins
-for its stage objects (the attributes the constructors read) are enough to get it. Both orders
+torch's orders come from benchmarks/_torch_reference.py (built on stand-in stages, no process
+group; 1F1B's off-by-one last rank repaired to the order torch's runtime executes). Both orders
 are simulated under F=1, B=2, I=W=1 with free communication and with a latency of half a
 forward.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
-
 import pytest
 
-from pipetrain.plan.actions import Action, ActionKind
+import _torch_reference
+from pipetrain.plan.actions import ActionKind
 from pipetrain.plan.costs import Costs
 from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.generators import build_schedule
 from pipetrain.plan.schedule import Schedule
 from pipetrain.plan.simulate import simulate
 
-schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
-
-
-@dataclass
-class FakeStage:
-    """What torch's schedule constructors read from a stage, and nothing more."""
-
-    stage_index: int
-    num_stages: int
-    group_size: int
-    group_rank: int = 0
-    submod: Any = None
-    stage_index_to_group_rank: dict[int, int] = field(default_factory=dict)
-
-    @property
-    def is_first(self) -> bool:
-        return self.stage_index == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.stage_index == self.num_stages - 1
-
-
-def _loss(out: Any, target: Any) -> Any:
-    return out
-
-
-# name -> (torch class, placement); "single" is one stage per rank
-TORCH: dict[str, tuple[Callable[..., Any], str]] = {
-    "GPipe": (schedules.ScheduleGPipe, "single"),
-    "1F1B": (schedules.Schedule1F1B, "single"),
-    "Interleaved1F1B": (schedules.ScheduleInterleaved1F1B, "loop"),
-    "LoopedBFS": (schedules.ScheduleLoopedBFS, "loop"),
-    "InterleavedZeroBubble": (schedules.ScheduleInterleavedZeroBubble, "loop"),
-    "ZBVZeroBubble": (schedules.ScheduleZBVZeroBubble, "v"),
-    "DualPipeV": (schedules.ScheduleDualPipeV, "v"),
+# name -> placement: "single" is one stage per rank, "loop" k*p + r on rank r, "v" two stages in a V
+TORCH: dict[str, str] = {
+    "GPipe": "single",
+    "1F1B": "single",
+    "Interleaved1F1B": "loop",
+    "LoopedBFS": "loop",
+    "InterleavedZeroBubble": "loop",
+    "ZBVZeroBubble": "v",
+    "DualPipeV": "v",
 }
 RANKS = (2, 3, 4, 5, 8)
 COSTS = (Costs(f=1, b=2, i=1, w=1, comm=0.0), Costs(f=1, b=2, i=1, w=1, comm=0.5))
 
 
-def _repair_1f1b_last_rank(rows: dict[int, list[Action]], m: int) -> None:
-    """torch 2.13's 1F1B order runs F of microbatches 1..m on the last rank (its runtime does
-    0..m-1): shift them back so the order is the one torch actually executes."""
-    last = max(rows)
-    fwd = sorted(a.microbatch for a in rows[last] if a.kind is ActionKind.F and a.microbatch is not None)
-    if fwd == list(range(1, m + 1)):
-        rows[last] = [
-            Action(a.stage, a.kind, a.microbatch - 1) if a.kind is ActionKind.F and a.microbatch is not None else a
-            for a in rows[last]
-        ]
-
-
 def torch_schedule(name: str, p: int, m: int, v: int) -> Schedule | None:
-    """torch's compute-only order for these sizes as our Schedule, or None if torch rejects them."""
-    cls, style = TORCH[name]
-    n = p * v
-    try:
-        if style == "single":
-            sched = cls(FakeStage(0, p, p), m, loss_fn=_loss)
-        elif style == "loop":
-            sched = cls([FakeStage(k * p, n, p) for k in range(v)], m, loss_fn=_loss)
-        else:
-            sched = cls([FakeStage(0, n, p), FakeStage(n - 1, n, p)], m, loss_fn=_loss)
-    except (ValueError, AssertionError, RuntimeError):
-        return None
-    rows: dict[int, list[Action]] = {}
-    for rank, order in sched.pipeline_order.items():
-        parsed = (Action.parse(str(a)) for a in order if a is not None)
-        rows[rank] = [a for a in parsed if a is not None and a.kind.is_compute]
-    if name == "1F1B":
-        _repair_1f1b_last_rank(rows, m)
-    return Schedule(rows, num_microbatches=m, name=f"torch {name}")
+    """torch's compute-only order for these sizes as our Schedule, or None if torch rejects them.
+
+    1F1B's last rank is repaired: we compare with the order torch runs, not the one it prints.
+    """
+    theirs = _torch_reference.torch_schedule_object(name, p, m, v)
+    return None if theirs is None else _torch_reference.to_pipetrain(theirs, repair_1f1b=True)
 
 
 def _grid(name: str) -> list[tuple[int, int, int]]:
-    style = TORCH[name][1]
+    style = TORCH[name]
     out = []
     for p in RANKS:
         for v in (1,) if style == "single" else (2,) if style == "v" else (2, 3):
@@ -148,19 +93,39 @@ def test_torch_conversion_is_faithful() -> None:
 @pytest.mark.parametrize("name", ["Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"])
 def test_torch_lowered_orders_simulate_like_their_compute_orders(name: str) -> None:
     # torch's own lowering (SEND/RECV, UNSHARD/RESHARD, REDUCE_GRAD) reads and simulates here
-    cls, style = TORCH[name]
-    p, m, n = 4, 8, 8
-    stages = (
-        [FakeStage(0, n, p), FakeStage(4, n, p)] if style == "loop" else [FakeStage(0, n, p), FakeStage(n - 1, n, p)]
+    theirs = _torch_reference.torch_schedule_object(name, 4, 8, 2)
+    assert theirs is not None
+    lowered = _torch_reference.to_pipetrain(theirs, with_comms=True)
+    compute = Schedule(
+        {r: [a for a in acts if a is not None and a.kind.is_compute] for r, acts in lowered.actions.items()}
     )
-    sched = cls(stages, m, loss_fn=_loss)
-    rows: dict[int, list[Action]] = {}
-    for rank, order in sched.pipeline_order_with_comms.items():
-        rows[rank] = [a for a in (Action.parse(str(x)) for x in order if x is not None) if a is not None]
-    lowered = Schedule(rows)
-    compute = Schedule({r: [a for a in acts if a.kind.is_compute] for r, acts in rows.items()})
     assert lowered.is_lowered
     for costs in COSTS:
         low = simulate(lowered, costs)
         assert low.lowered and low.num_sends > 0
         assert low.makespan == simulate(compute, costs).makespan
+
+
+def test_1f1b_repair_touches_only_torchs_off_by_one_last_rank() -> None:
+    theirs = _torch_reference.torch_schedule_object("1F1B", 4, 8, 1)
+    assert theirs is not None
+    printed = _torch_reference.to_pipetrain(theirs)
+    repaired = _torch_reference.to_pipetrain(theirs, repair_1f1b=True)
+    # as printed, the last rank runs F of microbatches 1..8: microbatch 0 never reaches the loss
+    assert printed.num_microbatches == 9
+    with pytest.raises(ScheduleError):
+        printed.validate()
+    repaired.validate()
+    assert repaired.num_microbatches == 8
+    assert all(printed.actions[r] == repaired.actions[r] for r in range(3))
+    # an order without the off-by-one is left alone
+    interleaved = _torch_reference.torch_schedule_object("Interleaved1F1B", 4, 8, 2)
+    assert interleaved is not None
+    assert _torch_reference.to_pipetrain(interleaved, repair_1f1b=True) == _torch_reference.to_pipetrain(interleaved)
+
+
+def test_sizes_torch_rejects_give_none() -> None:
+    assert _torch_reference.torch_schedule_object("1F1B", 4, 2, 1) is None  # needs m >= stages
+    assert _torch_reference.torch_schedule_object("GPipe", 4, 8, 2) is None  # one stage per rank only
+    assert _torch_reference.torch_schedule_object("DualPipeV", 4, 4, 2) is None  # needs m >= 2p
+    assert _torch_reference.torch_schedule_object("GPipe", 4, 8, 1) is not None

@@ -3,20 +3,19 @@
 from __future__ import annotations
 
 import datetime
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCH))
+import run_all  # benchmarks/ is on the import path (tests/conftest.py)
 
-import run_all  # noqa: E402
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def test_runner_finds_every_benchmark_but_itself() -> None:
     names = [p.name for p in run_all.benchmark_scripts()]
     assert "run_all.py" not in names
+    assert "_torch_reference.py" not in names
     assert "schedule_quality.py" in names
     assert names == sorted(names)
     assert [p.stem for p in run_all.benchmark_scripts(["schedule_quality"])] == ["schedule_quality"]
@@ -44,10 +43,11 @@ def test_torch_orders_load_as_pipetrain_schedules() -> None:
     from pipetrain.plan import build_schedule
 
     theirs = schedule_quality.torch_order("GPipe", 4, 8, 1)
+    assert theirs is not None
     theirs.validate()
     ours = build_schedule("GPipe", 4, 8)
     for rank in range(4):
         assert [str(a) for a in theirs.actions[rank] if a] == [str(a) for a in ours.actions[rank] if a]
     zbv = schedule_quality.torch_order("ZBVZeroBubble", 2, 4, 2)
-    assert zbv.stage_to_rank == {0: 0, 1: 1, 2: 1, 3: 0}
+    assert zbv is not None and zbv.stage_to_rank == {0: 0, 1: 1, 2: 1, 3: 0}
     assert {a.kind.value for a in zbv.iter_actions() if a} == {"F", "I", "W"}
