@@ -97,6 +97,36 @@ def _grad_specs(obj: Any) -> list[tuple[torch.Size, torch.dtype]]:
     return [(t.shape, t.dtype) for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
+_SEGMENTS: dict[int, tuple[Sequence[Action | None], list[tuple[int, int, list[Action]]]]] = {}
+
+
+def _segments(program: Sequence[Action | None]) -> list[tuple[int, int, list[Action]]]:
+    """``program`` cut into runs of SEND/RECV ``(start, end, actions)`` and compute actions
+    ``(index, 0, [action])``, computed once per program rather than every step."""
+    hit = _SEGMENTS.get(id(program))
+    if hit is not None and hit[0] is program:
+        return hit[1]
+    out: list[tuple[int, int, list[Action]]] = []
+    i, n = 0, len(program)
+    while i < n:
+        action = program[i]
+        if action is None:
+            i += 1
+        elif action.kind.is_comm:
+            j = i
+            while j < n and (program[j] is None or program[j].kind.is_comm):  # type: ignore[union-attr]
+                j += 1
+            out.append((i, j, [a for a in program[i:j] if a is not None]))
+            i = j
+        else:
+            out.append((i, 0, [action]))
+            i += 1
+    if len(_SEGMENTS) > 64:  # programs of discarded schedules
+        _SEGMENTS.clear()
+    _SEGMENTS[id(program)] = (program, out)
+    return out
+
+
 class _Program:
     """One rank's program for one step: the per-microbatch state between actions."""
 
@@ -164,28 +194,19 @@ class _Program:
         profiling = torch.autograd.profiler._is_profiler_enabled
         self.program = program
         self.pos = 0
-        i = 0
         n = len(program)
         events = self.events
         clock = time.perf_counter_ns
-        while i < n:
-            action = program[i]
-            if action is None:
-                i += 1
-                continue
+        for i, j, batch in _segments(program):
+            action = batch[0]
             self.action = action
-            if action.kind.is_comm:
-                j = i
-                while j < n and (program[j] is None or program[j].kind.is_comm):  # type: ignore[union-attr]
-                    j += 1
-                batch = [a for a in program[i:j] if a is not None]
-                self.pos = i
+            self.pos = i
+            if j:
                 t0 = clock()
                 with _Label(profiling, batch):
                     self._post(batch)
                 t1 = clock()
                 events.extend((a, t0, t1) for a in batch)
-                i = j
                 self.pos = j
                 continue
             self.comm.poll()
@@ -199,8 +220,7 @@ class _Program:
                 else:
                     self._compute(action)
             events.append((action, t0, clock()))
-            i += 1
-            self.pos = i
+            self.pos = i + 1
         self.action = None
         self.pos = n
 

@@ -120,6 +120,7 @@ class PipelineStage:
         if plain:
             args = tuple(leaves)
         else:
+            assert spec is not None
             args, kwargs = pytree.tree_unflatten(leaves, spec)
         saved = SavedTensors(f"stage {self.stage_index}, microbatch {mb}") if self.track_saved_tensors else None
         if saved is None:

@@ -19,8 +19,9 @@ gloo for the tests) every operation uses tag 0 and a receive is never posted beh
 receive from the same peer whose follow-ups may still be due: a batch is cut before a second
 receive from one peer, and right after each part is posted its headers are read and the
 follow-ups of new layouts posted, before anything else. Sends of a batch go first with its first
-part. On gloo by default the follow-ups use tag 1 instead, so headers are read lazily, right
-before the data is needed (gloo matches per tag, first in, first out).
+part. The price: a message is waited for at its RECV rather than right before its use. On gloo by
+default the follow-ups use tag 1 instead, so headers are read lazily, right before the data is
+needed, in posting order per peer (gloo matches per tag, first in, first out).
 
 Why reading the headers right after posting cannot deadlock, for schedules made by
 ``Schedule.lower()`` (see ``plan/passes/communication.py``): run the compute in unit time. A
@@ -36,8 +37,10 @@ receives of them are in groups at or before the peer's groups holding the messag
 receives, and the follow-ups, posted next on the receiver's stream, are the only thing a sender's
 group waits for beyond the notice.
 
-``DistTransport`` uses ``torch.distributed`` point-to-point operations; receives are waited on
-only right before use and sends complete in the background (see :class:`Waiter`).
+``DistTransport`` uses ``torch.distributed`` point-to-point operations (on a gloo group posted
+directly, elsewhere as ``batch_isend_irecv`` batches of buffers on the stage's device); sends
+complete in the background (see :class:`Waiter`). A message that is one tensor or a list or
+tuple of tensors skips pytree on both sides.
 ``LocalTransport`` hands objects over in memory for :class:`pipetrain.local.LocalPipeline`.
 """
 
