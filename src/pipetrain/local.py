@@ -20,8 +20,9 @@ from pipetrain.errors import PipelineError
 from pipetrain.microbatch import merge_chunks, split_args_kwargs_into_chunks, split_into_chunks
 from pipetrain.plan import Schedule, ScheduleError, build_schedule
 from pipetrain.plan.generators import family
+from pipetrain.plan.lower import forwards_only
 from pipetrain.plan.timeline import Timeline, TimelineEvent
-from pipetrain.runtime import LossFn, _Program, forward_only_schedule, prepare_schedule
+from pipetrain.runtime import LossFn, _Program, prepare_schedule
 from pipetrain.stage import PipelineStage
 from pipetrain.transport import LocalTransport, RecvHandle, RecvItem, SendItem
 
@@ -156,7 +157,7 @@ class LocalPipeline:
 
     def _forward_schedule(self) -> Schedule:
         if self._eval_schedule is None:
-            self._eval_schedule = prepare_schedule(forward_only_schedule(self.schedule))
+            self._eval_schedule = prepare_schedule(forwards_only(self.schedule))
         return self._eval_schedule
 
     def _run(

@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from pipetrain.errors import PipelineError
 from pipetrain.microbatch import merge_chunks, split_args_kwargs_into_chunks, split_into_chunks
 from pipetrain.plan import Action, ActionKind, Schedule, ScheduleError
+from pipetrain.plan.lower import forwards_only
 from pipetrain.plan.timeline import Timeline, TimelineEvent
 from pipetrain.stage import PipelineStage
 from pipetrain.transport import (
@@ -39,7 +40,7 @@ from pipetrain.transport import (
     Waiter,
 )
 
-__all__ = ["PipelineScheduleRuntime", "forward_only_schedule", "prepare_schedule"]
+__all__ = ["PipelineScheduleRuntime", "prepare_schedule"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 _K = ActionKind
@@ -481,36 +482,6 @@ def _reduce_grad(stage: PipelineStage) -> None:
 
 
 # ------------------------------------------------------------------- schedules
-def forward_only_schedule(schedule: Schedule) -> Schedule:
-    """The forwards of ``schedule`` in the order it runs them, for eval on any schedule."""
-    programs: dict[int, list[Action | None]] = {}
-    for rank in range(schedule.num_ranks):
-        programs[rank] = [
-            part
-            for action in schedule.actions[rank]
-            if action is not None
-            for part in action.parts
-            if part.kind is _K.F
-        ]
-    out = Schedule(
-        programs,
-        num_stages=schedule.num_stages,
-        num_microbatches=schedule.num_microbatches,
-        stage_to_rank=schedule.stage_to_rank,
-        name=f"{schedule.name} (forward only)".strip(),
-    )
-    try:
-        out.validate()
-    except ScheduleError:
-        # Fall back to every rank running its stages in order, breadth-first: always deadlock-free.
-        for rank in range(schedule.num_ranks):
-            programs[rank] = [
-                Action(s, _K.F, m) for s in schedule.stages_of(rank) for m in range(schedule.num_microbatches)
-            ]
-        out = out.replace(programs)
-    return out
-
-
 def prepare_schedule(schedule: Schedule, **lower_options: Any) -> Schedule:
     """Validate (before any communication) and lower a compute-only schedule; check a lowered one."""
     if not isinstance(schedule, Schedule):
@@ -680,7 +651,7 @@ class PipelineScheduleRuntime:
 
     def _forward_schedule(self) -> Schedule:
         if self._eval_schedule is None:
-            self._eval_schedule = prepare_schedule(forward_only_schedule(self.schedule))
+            self._eval_schedule = prepare_schedule(forwards_only(self.schedule))
         return self._eval_schedule
 
     def _run(

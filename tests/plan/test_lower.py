@@ -12,7 +12,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipetrain.plan import Action, ActionKind, Schedule, ScheduleError, build_schedule, schedule_names
-from pipetrain.plan.lower import add_communication, add_fsdp, add_grad_reduction, lower, merge_input_weight
+from pipetrain.plan.lower import (
+    add_communication,
+    add_fsdp,
+    add_grad_reduction,
+    forwards_only,
+    lower,
+    merge_input_weight,
+)
 
 K = ActionKind
 
@@ -302,3 +309,20 @@ def _outcome(make: Callable[..., Schedule], *args: Any, **kwargs: Any) -> Schedu
         return make(*args, **kwargs)
     except ScheduleError as err:
         return str(err)
+
+
+@pytest.mark.parametrize("name", schedule_names())
+def test_forwards_only_keeps_every_forward_and_runs(name: str) -> None:
+    """eval runs any training schedule's forwards: complete, valid, and lowerable."""
+    for p, m, v in [(1, 1, None), (2, 3, None), (4, 8, None), (3, 7, 3)]:
+        try:
+            s = build_schedule(name, p, m, v)
+        except ScheduleError:
+            continue
+        fwd = forwards_only(s)
+        fwd.validate()
+        fwd.lower().validate()
+        kinds = {a.kind for a in fwd.iter_actions() if a is not None}
+        assert kinds == {ActionKind.F}
+        assert len(fwd) == s.num_stages * m
+        assert fwd.stage_to_rank == s.stage_to_rank

@@ -13,6 +13,7 @@ from __future__ import annotations
 from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.passes._graph import OVERLAP, B, F, I, W, gc_paused
 from pipetrain.plan.passes.communication import add_communication
+from pipetrain.plan.passes.forward import forwards_only
 from pipetrain.plan.passes.fsdp import add_fsdp, check_prefetch, fsdp_pass
 from pipetrain.plan.passes.fused import lower_compute
 from pipetrain.plan.passes.grad import add_grad_reduction, grad_reduction_pass
@@ -20,7 +21,7 @@ from pipetrain.plan.passes.merge import merge_input_weight
 from pipetrain.plan.schedule import Schedule
 from pipetrain.plan.validate import check_structure, validate
 
-__all__ = ["add_communication", "add_fsdp", "add_grad_reduction", "lower", "merge_input_weight"]
+__all__ = ["add_communication", "add_fsdp", "add_grad_reduction", "forwards_only", "lower", "merge_input_weight"]
 
 
 def lower(

@@ -14,6 +14,7 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from pipetrain.plan._jsonio import read_json
 from pipetrain.plan.actions import Action
 from pipetrain.plan.errors import ScheduleError
 
@@ -326,18 +327,7 @@ class Schedule:
     @classmethod
     def from_json(cls, source: str | os.PathLike[str]) -> Schedule:
         """Read a schedule from a JSON file path (or from JSON text starting with '{')."""
-        text = str(source)
-        if not text.lstrip().startswith("{"):
-            try:
-                with open(source, encoding="utf-8") as fh:
-                    text = fh.read()
-            except (OSError, UnicodeDecodeError) as err:
-                raise ScheduleError(f"cannot read {os.fspath(source)}: {err}") from None
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise ScheduleError(f"malformed schedule JSON: {err}") from None
-        return cls.from_dict(data)
+        return cls.from_dict(read_json(source, "schedule"))
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Schedule:

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipetrain.plan._jsonio import read_json
 from pipetrain.plan.errors import ScheduleError
 
 __all__ = ["Timeline", "TimelineEvent"]
@@ -143,15 +144,4 @@ class Timeline:
     @classmethod
     def from_json(cls, source: str | os.PathLike[str]) -> Timeline:
         """Read a timeline from a JSON file path (or from JSON text starting with '{')."""
-        text = str(source)
-        if not text.lstrip().startswith("{"):
-            try:
-                with open(source, encoding="utf-8") as fh:
-                    text = fh.read()
-            except (OSError, UnicodeDecodeError) as err:
-                raise ScheduleError(f"cannot read {os.fspath(source)}: {err}") from None
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise ScheduleError(f"malformed timeline JSON: {err}") from None
-        return cls.from_dict(data)
+        return cls.from_dict(read_json(source, "timeline"))
