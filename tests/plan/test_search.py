@@ -76,3 +76,11 @@ def test_cli_plan_infeasible_is_one_line(capsys: pytest.CaptureFixture[str]) -> 
     assert main(["plan", "-p", "4", "-m", "8", "--memory-limit", "0.5"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no schedule fits" in err[0]
+
+
+def test_cut_into_divides_a_ranks_share_and_keeps_per_stage_measurements() -> None:
+    share = Costs(f=2, b=4, comm=0.5, activation_bytes=100.0).cut_into(2)
+    assert (share.f, share.b, share.i, share.w, share.comm, share.activation_bytes) == (1, 2, 1, 1, 0.5, 50)
+    measured = Costs(f=[1, 2, 2, 1], b=4)
+    assert measured.cut_into(2) is measured  # per-stage measurements: the stages as they are
+    assert share.cut_into(1) is share

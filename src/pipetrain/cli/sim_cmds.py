@@ -100,32 +100,6 @@ def _describe(r: SimResult) -> str:
     return "\n".join(lines)
 
 
-def _scaled(costs: Costs, stages_per_rank: int) -> Costs:
-    """The same model cut into ``stages_per_rank`` times as many stages: each stage costs 1/V."""
-    if stages_per_rank == 1:
-        return costs
-
-    def div(v: Any) -> Any:
-        if v is None:
-            return None
-        return v / stages_per_rank if isinstance(v, float) else tuple(x / stages_per_rank for x in v)
-
-    return Costs(
-        f=div(costs.f),
-        b=div(costs.b),
-        i=div(costs.i),
-        w=div(costs.w),
-        comm=costs.comm,
-        overlap=costs.overlap,
-        send=costs.send,
-        recv=costs.recv,
-        unshard=costs.unshard,
-        reshard=costs.reshard,
-        reduce_grad=costs.reduce_grad,
-        activation_bytes=div(costs.activation_bytes),
-    )
-
-
 def compare_rows(
     num_ranks: int, num_microbatches: int, stages_per_rank: int | None, costs: Costs
 ) -> tuple[list[dict[str, Any]], list[SimResult]]:
@@ -138,10 +112,9 @@ def compare_rows(
         except ScheduleError:
             continue
         v = schedule.num_stages // num_ranks if schedule.num_stages % num_ranks == 0 else 1
-        per_stage = any(not isinstance(x, float) for x in (costs.f, costs.b, costs.i, costs.w))
         try:
             # per-stage costs describe the stages as they are; plain numbers a rank's share
-            result = simulate(schedule, costs if per_stage else _scaled(costs, v))
+            result = simulate(schedule, costs.cut_into(v))
         except ScheduleError as err:
             rows.append({"schedule": name, "error": str(err)})
             continue

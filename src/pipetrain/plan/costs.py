@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from pipetrain.plan.actions import Action, ActionKind
 from pipetrain.plan.errors import ScheduleError
@@ -123,6 +123,29 @@ class Costs:
         object.__setattr__(self, "w", w)
 
     # ------------------------------------------------------------ lookups
+    def cut_into(self, stages_per_rank: int) -> Costs:
+        """Costs of one stage when a rank's share of the model, which plain numbers describe, is
+        cut into ``stages_per_rank`` stages: plain numbers (and activation bytes) divide by it.
+
+        Costs holding any per-stage sequence measure stages as they are and stay unchanged. This
+        is how ``compare`` and the auto-planner put schedules with different stage counts on one model.
+        """
+        values = (self.f, self.b, self.i, self.w, self.activation_bytes)
+        if stages_per_rank == 1 or any(not isinstance(v, float | None) for v in values):
+            return self
+
+        def share(value: PerStage | None) -> PerStage | None:
+            return value / stages_per_rank if isinstance(value, float) else value
+
+        return replace(
+            self,
+            f=share(self.f) or 0.0,
+            b=share(self.b),
+            i=share(self.i),
+            w=share(self.w),
+            activation_bytes=share(self.activation_bytes),
+        )
+
     def per_stage(self, name: str, num_stages: int) -> list[float]:
         """The cost ``name`` ("f", "b", "i", "w", "activation_bytes") as one value per stage."""
         value = getattr(self, name)

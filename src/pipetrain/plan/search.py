@@ -15,9 +15,9 @@ whole share (1F1B's rank 0 holds ``num_ranks`` of them).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from pipetrain.plan.costs import Costs, PerStage
+from pipetrain.plan.costs import Costs
 from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.generators import build_schedule, family, schedule_names
 from pipetrain.plan.schedule import Schedule
@@ -39,25 +39,6 @@ class Candidate:
     memory: float
     """Peak memory of the busiest rank, in the units of ``memory_limit``."""
     fits: bool
-
-
-def _scale(value: PerStage | None, factor: float) -> PerStage | None:
-    if value is None or not isinstance(value, float):
-        return value
-    return value * factor
-
-
-def _stage_costs(costs: Costs, stages_per_rank: int) -> Costs:
-    """Scalar costs describe a rank's share; split into v stages, each stage takes 1/v."""
-    factor = 1.0 / stages_per_rank
-    return replace(
-        costs,
-        f=_scale(costs.f, factor) or 0.0,
-        b=_scale(costs.b, factor),
-        i=_scale(costs.i, factor),
-        w=_scale(costs.w, factor),
-        activation_bytes=_scale(costs.activation_bytes, factor),
-    )
 
 
 def _fixed_stages(costs: Costs, num_ranks: int) -> int | None:
@@ -99,7 +80,7 @@ def rank_schedules(
                 continue
             if schedule.num_stages != num_ranks * v:
                 continue
-            stage_costs = costs if fixed else _stage_costs(costs, v)
+            stage_costs = costs if fixed else costs.cut_into(v)
             result = simulate(schedule, stage_costs)
             if result.peak_memory_bytes is not None:
                 memory = max(result.peak_memory_bytes.values(), default=0.0)
