@@ -13,10 +13,10 @@ WITHOUT_MB = [ActionKind.UNSHARD, ActionKind.RESHARD, ActionKind.REDUCE_GRAD]
 COMPUTE = [ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W]
 
 plain_actions = st.one_of(
-    st.builds(Action, st.integers(0, 10_000), st.sampled_from(WITH_MB), st.integers(0, 10_000)),
-    st.builds(Action, st.integers(0, 10_000), st.sampled_from(WITHOUT_MB)),
+    st.builds(Action, st.integers(0, 10_000), st.sampled_from(WITH_MB), st.integers(0, 10_000), st.none()),
+    st.builds(Action, st.integers(0, 10_000), st.sampled_from(WITHOUT_MB), st.none(), st.none()),
 )
-compute_actions = st.builds(Action, st.integers(0, 99), st.sampled_from(COMPUTE), st.integers(0, 99))
+compute_actions = st.builds(Action, st.integers(0, 99), st.sampled_from(COMPUTE), st.integers(0, 99), st.none())
 overlap_actions = st.lists(compute_actions, min_size=2, max_size=3).map(lambda parts: Action.overlap(*parts))
 any_action = st.one_of(plain_actions, overlap_actions)
 

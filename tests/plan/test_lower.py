@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from pipetrain.plan import Action, ActionKind, Schedule, ScheduleError, build_schedule, schedule_names
@@ -326,3 +326,60 @@ def test_forwards_only_keeps_every_forward_and_runs(name: str) -> None:
         assert kinds == {ActionKind.F}
         assert len(fwd) == s.num_stages * m
         assert fwd.stage_to_rank == s.stage_to_rank
+
+
+def _mutate(s: Schedule, rng: random.Random, how: str) -> Schedule:
+    """``s`` with one random defect of kind ``how`` (the result may still be valid, e.g. a swap)."""
+    programs = {r: list(s.actions[r]) for r in range(s.num_ranks)}
+    r = rng.choice([r for r, p in programs.items() if any(a is not None for a in p)])
+    program = programs[r]
+    k = rng.choice([i for i, a in enumerate(program) if a is not None])
+    a = program[k]
+    assert a is not None
+    part = a.parts[0]
+    if how == "drop":
+        del program[k]
+    elif how == "duplicate":
+        program.insert(rng.randrange(len(program) + 1), a)
+    elif how == "swap":
+        j = rng.randrange(len(program))
+        program[k], program[j] = program[j], program[k]
+    elif how == "kind":  # B <-> I, W -> B, F -> W ...
+        kinds = [K.F, K.B, K.I, K.W]
+        program[k] = Action(part.stage, rng.choice([x for x in kinds if x is not part.kind]), part.microbatch)
+    elif how == "microbatch":
+        program[k] = Action(part.stage, part.kind, rng.randrange(s.num_microbatches))
+    out = Schedule(
+        programs, num_stages=s.num_stages, num_microbatches=s.num_microbatches, stage_to_rank=s.stage_to_rank
+    )
+    if how == "stage":  # the constructor refuses a misplaced stage: put it there afterwards, as a user could
+        out.actions[r][k] = Action(rng.randrange(s.num_stages), part.kind, part.microbatch)
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    name=st.sampled_from(schedule_names()),
+    how=st.sampled_from(["drop", "duplicate", "swap", "kind", "stage", "microbatch"]),
+    fsdp=st.booleans(),
+)
+def test_lower_rejects_what_validate_rejects_with_its_message(seed: int, name: str, how: str, fsdp: bool) -> None:
+    """lower() checks a compute schedule in its own unit-time run; on a defect it must raise
+    exactly validate()'s error (rank, step, action, rule), and accept what validate() accepts."""
+    rng = random.Random(seed)
+    p, m = rng.randint(1, 4), rng.randint(1, 6)
+    try:
+        s = build_schedule(name, p, m)
+    except ScheduleError:
+        return
+    broken = _mutate(s, rng, how)
+    try:
+        broken.validate()
+    except ScheduleError as err:
+        event("defect found")
+        with pytest.raises(ScheduleError) as got:
+            broken.lower(fsdp=fsdp, grad_reduce=False)
+        assert str(got.value) == str(err)
+        return
+    broken.lower(fsdp=fsdp).validate()

@@ -8,8 +8,9 @@ compute actions together (DualPipe's overlapped forward and backward).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from collections.abc import Callable
 from enum import Enum
+from typing import NamedTuple
 
 from pipetrain.plan.errors import ScheduleError
 
@@ -65,35 +66,38 @@ _KIND_PATTERN = "|".join(
 )
 _SIMPLE_RE = re.compile(rf"([0-9]+)({_KIND_PATTERN})([0-9]*)")
 _OVERLAP_SUFFIX = ")" + ActionKind.OVERLAP_F_B.value
+_tuple_new: Callable[..., Action] = tuple.__new__
 
 
-@dataclass(frozen=True, slots=True, init=False)
-class Action:
-    """One step of one rank's program.
-
-    ``microbatch`` is None for UNSHARD, RESHARD, REDUCE_GRAD and OVERLAP_F_B. An OVERLAP_F_B
-    action carries its parts in ``sub_actions`` and takes the stage of its first part.
-    """
-
+class _ActionFields(NamedTuple):
     stage: int
     kind: ActionKind
     microbatch: int | None = None
     sub_actions: tuple[Action, ...] | None = None
 
-    def __init__(
-        self,
+
+class Action(_ActionFields):
+    """One step of one rank's program.
+
+    ``microbatch`` is None for UNSHARD, RESHARD, REDUCE_GRAD and OVERLAP_F_B. An OVERLAP_F_B
+    action carries its parts in ``sub_actions`` and takes the stage of its first part.
+
+    An immutable tuple underneath: schedules hold hundreds of thousands of actions, and a tuple
+    is built, hashed and compared in one C call each.
+    """
+
+    __slots__ = ()
+
+    def __new__(
+        cls,
         stage: int,
         kind: ActionKind,
         microbatch: int | None = None,
         sub_actions: tuple[Action, ...] | None = None,
-    ) -> None:
-        # Schedules hold hundreds of thousands of actions: set the slots directly and take the
-        # full checks only off the common path (plain action with a microbatch).
-        _set_stage(self, stage)
-        _set_kind(self, kind)
-        _set_microbatch(self, microbatch)
-        _set_sub_actions(self, sub_actions)
-        if (
+    ) -> Action:
+        self = _tuple_new(cls, (stage, kind, microbatch, sub_actions))
+        # The full checks only off the common path (a plain action with a microbatch).
+        if not (
             sub_actions is None
             and type(stage) is int
             and type(microbatch) is int
@@ -101,8 +105,8 @@ class Action:
             and microbatch >= 0
             and getattr(kind, "_takes_microbatch", False)
         ):
-            return
-        self._check()
+            self._check()
+        return self
 
     def _check(self) -> None:
         if not isinstance(self.kind, ActionKind):
@@ -202,24 +206,19 @@ class Action:
             raise ScheduleError(f"cannot parse action {text!r}: {err}") from None
 
 
-# Slot setters for the frozen dataclass (what its generated __init__ would do, minus overhead).
-_set_stage = Action.__dict__["stage"].__set__
-_set_kind = Action.__dict__["kind"].__set__
-_set_microbatch = Action.__dict__["microbatch"].__set__
-_set_sub_actions = Action.__dict__["sub_actions"].__set__
 for _kind in ActionKind:
     # A plain attribute read is much cheaper than hashing an enum member in the hot path.
     object.__setattr__(_kind, "_takes_microbatch", _kind in _WITH_MICROBATCH)
 
 
 def make_action(stage: int, kind: ActionKind, microbatch: int | None = None) -> Action:
-    """Build a plain action without checks: for passes that derive actions from checked ones."""
-    action: Action = _new(Action)
-    _set_stage(action, stage)
-    _set_kind(action, kind)
-    _set_microbatch(action, microbatch)
-    _set_sub_actions(action, None)
-    return action
+    """Build a plain action without checks: for passes that derive actions from checked ones.
+
+    Hot loops bind :data:`new_action` and call ``new_action(Action, (stage, kind, mb, None))``
+    directly, which saves this call.
+    """
+    return _tuple_new(Action, (stage, kind, microbatch, None))
 
 
-_new = object.__new__
+new_action: Callable[[type[Action], tuple[int, ActionKind, int | None, None]], Action] = tuple.__new__
+"""``new_action(Action, (stage, kind, microbatch, None))``: an unchecked plain action, one C call."""

@@ -11,7 +11,8 @@ the unit-time run that also proves the schedule runs to the end.
 from __future__ import annotations
 
 from pipetrain.plan.errors import ScheduleError
-from pipetrain.plan.passes._graph import OVERLAP, B, F, I, W, gc_paused
+from pipetrain.plan.passes._graph import gc_paused
+from pipetrain.plan.passes._insert import refuse_lowered
 from pipetrain.plan.passes.communication import add_communication
 from pipetrain.plan.passes.forward import forwards_only
 from pipetrain.plan.passes.fsdp import add_fsdp, check_prefetch, fsdp_pass
@@ -42,25 +43,18 @@ def lower(
     """
     if fsdp:
         check_prefetch(prefetch)
-    for rank in range(schedule.num_ranks):
-        for step, action in enumerate(schedule.actions[rank]):
-            if action is None:
-                continue
-            kind = action.kind
-            if not (kind is F or kind is I or kind is W or kind is B or kind is OVERLAP):
-                raise ScheduleError(
-                    f"rank {rank}, step {step}, action {action}: the schedule is already lowered; "
-                    "lower() takes a compute-only schedule (F, B, I, W, OVERLAP_F_B)"
-                )
     with gc_paused():
         return _lower(schedule, comms, grad_reduce, fsdp, prefetch, merge_iw)
 
 
 def _lower(schedule: Schedule, comms: bool, grad_reduce: bool, fsdp: bool, prefetch: int, merge_iw: bool) -> Schedule:
     if comms:
-        # The passes in one sweep, on the unit-time run that also proves the schedule runs to the
-        # end: so only the structural checks of validate() run first, not its own execution.
-        check_structure(schedule)
+        # The passes in one sweep, on the unit-time run that also checks the schedule (and asks
+        # validate() for the message when it is broken): no separate validation pass.
+        if merge_iw:
+            # Merging reads the programs first: they must be sound and compute-only.
+            if check_structure(schedule):
+                refuse_lowered(schedule)
         out = merge_input_weight(schedule) if merge_iw else schedule
         try:
             return lower_compute(out, grad_reduce=grad_reduce, fsdp=fsdp, prefetch=prefetch)
@@ -68,6 +62,8 @@ def _lower(schedule: Schedule, comms: bool, grad_reduce: bool, fsdp: bool, prefe
             if out is not schedule:
                 validate(schedule)  # name the deadlock in the schedule as given
             raise
+    if check_structure(schedule):
+        refuse_lowered(schedule)
     validate(schedule)
     out = schedule
     if merge_iw:

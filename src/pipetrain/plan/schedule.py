@@ -66,7 +66,17 @@ class Schedule:
                     raise ScheduleError(
                         f"rank {rank}, step {step}: expected an Action or None, got {type(action).__name__} {action!r}"
                     )
-                for part in (action,) if action.sub_actions is None else action.sub_actions:
+                subs = action.sub_actions
+                if subs is None:
+                    # The common case, inline: a plain action on the rank's current stage.
+                    s = action.stage
+                    m = action.microbatch
+                    if s == last_stage:
+                        if m is not None and m > max_mb:
+                            max_mb = m
+                        continue
+                    subs = (action,)
+                for part in subs:
                     s = part.stage
                     if s != last_stage:
                         owner = seen.get(s)

@@ -63,6 +63,7 @@ class _Index:
     comm_step: list[int] = field(default_factory=list)
     comm_action: list[Action] = field(default_factory=list)
     reduce: list[tuple[int, int, Action]] = field(default_factory=list)
+    lowered_actions: int = 0  # SEND/RECV, UNSHARD/RESHARD and REDUCE_GRAD seen
 
 
 def validate(schedule: Schedule) -> None:
@@ -71,11 +72,15 @@ def validate(schedule: Schedule) -> None:
         _validate(schedule)
 
 
-def check_structure(schedule: Schedule) -> None:
+def check_structure(schedule: Schedule) -> int:
     """The checks of :func:`validate` short of executing the programs (for ``lower``, whose
-    unit-time run of a compute schedule decides whether it runs to the end)."""
+    unit-time run of a compute schedule decides whether it runs to the end).
+
+    Returns how many actions are not compute (SEND/RECV, UNSHARD/RESHARD, REDUCE_GRAD): ``lower``
+    refuses a schedule that has any, and learns it from this scan instead of its own.
+    """
     with gc_paused():
-        _structure(schedule)
+        return _structure(schedule).lowered_actions
 
 
 def _structure(schedule: Schedule) -> _Index:
@@ -178,6 +183,7 @@ def _scan(schedule: Schedule) -> _Index:
                 for part in action.parts:
                     record(part, rank, step, action)
             else:
+                index.lowered_actions += 1
                 s, m = action.stage, action.microbatch
                 if s >= S or rank_of[s] != rank or (m is not None and m >= M):
                     _check_place(action, rank, step, rank_of, M)

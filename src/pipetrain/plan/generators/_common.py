@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pipetrain.plan.actions import Action, ActionKind, make_action
+from pipetrain.plan.actions import Action, ActionKind, new_action
 from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.schedule import Schedule
 
@@ -53,19 +53,19 @@ def v_placement(num_ranks: int) -> dict[int, int]:
 # unchecked constructor keeps building cheap; every schedule is checked by the Schedule
 # constructor (placement, ranges) and validate() (the rest) anyway.
 def F(stage: int, mb: int) -> Action:  # noqa: N802 - reads like the papers
-    return make_action(stage, _F, mb)
+    return new_action(Action, (stage, _F, mb, None))
 
 
 def B(stage: int, mb: int) -> Action:  # noqa: N802
-    return make_action(stage, _B, mb)
+    return new_action(Action, (stage, _B, mb, None))
 
 
 def I(stage: int, mb: int) -> Action:  # noqa: N802, E743
-    return make_action(stage, _I, mb)
+    return new_action(Action, (stage, _I, mb, None))
 
 
 def W(stage: int, mb: int) -> Action:  # noqa: N802
-    return make_action(stage, _W, mb)
+    return new_action(Action, (stage, _W, mb, None))
 
 
 _F, _B, _I, _W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W

@@ -63,3 +63,17 @@ def refuse_existing(schedule: Schedule, kinds: frozenset[ActionKind], what: str)
             kind = a.kind
             if not (kind is F or kind is I or kind is W or kind is B or kind is OVERLAP) and kind in kinds:
                 raise ScheduleError(f"rank {rank}, step {step}, action {a}: the schedule already has {what}")
+
+
+def refuse_lowered(schedule: Schedule) -> None:
+    """Raise naming the first action that is not compute (lowering twice is refused)."""
+    for rank in range(schedule.num_ranks):
+        for step, action in enumerate(schedule.actions[rank]):
+            if action is None:
+                continue
+            kind = action.kind
+            if not (kind is F or kind is I or kind is W or kind is B or kind is OVERLAP):
+                raise ScheduleError(
+                    f"rank {rank}, step {step}, action {action}: the schedule is already lowered; "
+                    "lower() takes a compute-only schedule (F, B, I, W, OVERLAP_F_B)"
+                )

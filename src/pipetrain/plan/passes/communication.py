@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from bisect import bisect_right
 
-from pipetrain.plan.actions import Action, make_action
-from pipetrain.plan.passes._graph import OVERLAP, RECV_B, RECV_F, SEND_B, SEND_F, B, F, I, W, cross_rank_flags
+from pipetrain.plan.actions import Action, new_action
+from pipetrain.plan.passes._graph import OVERLAP, RECV_B, RECV_F, SEND_B, SEND_F, B, F, I, W
 from pipetrain.plan.passes._insert import refuse_existing
 from pipetrain.plan.passes._timing import unit_time_run
 from pipetrain.plan.schedule import Schedule
@@ -40,9 +40,8 @@ def add_communication(schedule: Schedule) -> Schedule:
 
 def communication_pass(schedule: Schedule) -> Schedule:
     """:func:`add_communication` without the check for existing SEND/RECV (for ``lower``)."""
-    starts, by_time = unit_time_run(schedule)
+    starts, by_time, makespan, _ = unit_time_run(schedule)
     times, acts = collect_messages(schedule, by_time)
-    makespan = len(by_time)
     lowered: dict[int, list[Action | None]] = {}
     for r in range(schedule.num_ranks):
         program = schedule.actions[r]
@@ -71,43 +70,35 @@ def communication_pass(schedule: Schedule) -> Schedule:
     return schedule._derived(lowered)
 
 
-def collect_messages(
-    schedule: Schedule, by_time: list[list[tuple[int, Action]]]
-) -> tuple[list[list[int]], list[list[Action]]]:
+def collect_messages(schedule: Schedule, by_time: list[list[Action]]) -> tuple[list[list[int]], list[list[Action]]]:
     """Per rank, the SEND/RECV of every cross-rank message and the time each arrives, in time order.
 
-    The compute actions are visited in order of start time (a bucket per time unit: linear) and
-    each message goes to both its ranks at once: every rank's list is then in time order, and two
+    ``by_time`` holds the message producers bucketed by start time (from
+    :func:`~pipetrain.plan.passes._timing.unit_time_run`): visiting them in order (linear) and
+    giving each message to both its ranks at once puts every rank's list in time order, and two
     ranks see the messages between them in the same order (FIFO), without sorting.
     """
     num_ranks, num_stages = schedule.num_ranks, schedule.num_stages
     rank_of = [schedule.stage_to_rank[s] for s in range(num_stages)]
-    prev_cross, next_cross = cross_rank_flags(rank_of)
-    # Where each stage's forward output / input-gradient goes, or -1 when it stays on the rank.
-    f_dst = [rank_of[s + 1] if next_cross[s] else -1 for s in range(num_stages)]
-    b_dst = [rank_of[s - 1] if prev_cross[s] else -1 for s in range(num_stages)]
     times: list[list[int]] = [[] for _ in range(num_ranks)]  # arrival time of each message, per rank
     acts: list[list[Action]] = [[] for _ in range(num_ranks)]
+    new = new_action  # hundreds of thousands of actions: one C call each
     for st, bucket in enumerate(by_time):
         end_time = st + 1
-        for r, part in bucket:
-            k = part.kind
-            if k is F:
-                s = part.stage
-                d = f_dst[s]
-                if d >= 0:
-                    m = part.microbatch
-                    times[r].append(end_time)
-                    acts[r].append(make_action(s, SEND_F, m))
-                    times[d].append(end_time)
-                    acts[d].append(make_action(s + 1, RECV_F, m))
-            elif k is B or k is I:
-                s = part.stage
-                d = b_dst[s]
-                if d >= 0:
-                    m = part.microbatch
-                    times[r].append(end_time)
-                    acts[r].append(make_action(s, SEND_B, m))
-                    times[d].append(end_time)
-                    acts[d].append(make_action(s - 1, RECV_B, m))
+        for part in bucket:
+            s = part.stage
+            m = part.microbatch
+            r = rank_of[s]
+            if part.kind is F:
+                d = rank_of[s + 1]
+                send = new(Action, (s, SEND_F, m, None))
+                recv = new(Action, (s + 1, RECV_F, m, None))
+            else:  # B or I: the input gradient goes back
+                d = rank_of[s - 1]
+                send = new(Action, (s, SEND_B, m, None))
+                recv = new(Action, (s - 1, RECV_B, m, None))
+            times[r].append(end_time)
+            acts[r].append(send)
+            times[d].append(end_time)
+            acts[d].append(recv)
     return times, acts

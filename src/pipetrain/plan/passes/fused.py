@@ -14,6 +14,7 @@ from bisect import bisect_right
 
 from pipetrain.plan.actions import Action
 from pipetrain.plan.errors import ScheduleError
+from pipetrain.plan.passes._insert import refuse_lowered
 from pipetrain.plan.passes._timing import unit_time_run
 from pipetrain.plan.passes.communication import collect_messages
 from pipetrain.plan.passes.fsdp import Slots, fsdp_actions, fsdp_slots
@@ -22,14 +23,16 @@ from pipetrain.plan.schedule import Schedule
 
 
 def lower_compute(schedule: Schedule, *, grad_reduce: bool, fsdp: bool, prefetch: int) -> Schedule:
-    """``schedule`` (compute-only, validated) with SEND/RECV, and REDUCE_GRAD / FSDP actions if asked.
+    """``schedule`` (compute-only) with SEND/RECV, and REDUCE_GRAD / FSDP actions if asked.
 
-    Raises :class:`ScheduleError` if the schedule cannot run to the end (from the unit-time run,
-    which validates it for the details) or, with ``grad_reduce``, if it has no backward.
+    Raises :class:`ScheduleError` if the schedule is not valid (the unit-time run checks it and
+    asks ``validate()`` for the details), is already lowered, or, with ``grad_reduce``, has no
+    backward.
     """
-    starts, by_time = unit_time_run(schedule)
+    starts, by_time, makespan, not_compute = unit_time_run(schedule)
+    if not_compute:
+        refuse_lowered(schedule)
     times, acts = collect_messages(schedule, by_time)
-    makespan = len(by_time)
     unshard, reshard = fsdp_actions(schedule.num_stages) if fsdp else ([], [])
     any_backward = False
     counts = stage_counts(schedule)
