@@ -16,12 +16,12 @@ time-T message are in such groups, so all of them complete.
 
 from __future__ import annotations
 
-from bisect import bisect_right
+from itertools import accumulate
 
 from pipetrain.plan.actions import Action, new_action
 from pipetrain.plan.passes._graph import OVERLAP, RECV_B, RECV_F, SEND_B, SEND_F, B, F, I, W
 from pipetrain.plan.passes._insert import refuse_existing
-from pipetrain.plan.passes._timing import unit_time_run
+from pipetrain.plan.passes._timing import UnitRun, unit_time_run
 from pipetrain.plan.schedule import Schedule
 
 _COMM_KINDS = frozenset({SEND_F, RECV_F, SEND_B, RECV_B})
@@ -40,29 +40,21 @@ def add_communication(schedule: Schedule) -> Schedule:
 
 def communication_pass(schedule: Schedule) -> Schedule:
     """:func:`add_communication` without the check for existing SEND/RECV (for ``lower``)."""
-    starts, by_time, makespan, _ = unit_time_run(schedule)
-    times, acts = collect_messages(schedule, by_time)
+    cuts, acts = place_messages(schedule, unit_time_run(schedule))
     lowered: dict[int, list[Action | None]] = {}
     for r in range(schedule.num_ranks):
-        program = schedule.actions[r]
-        row = starts[r]
-        ev, comm = times[r], acts[r]
-        out: list[Action | None] = []
+        comm, cut = acts[r], cuts[r]
+        out: list[Action | None] = comm[: cut[0]]
         append = out.append
-        # The messages of the gap after a compute action (placed right after it) are those that
-        # arrive by the next compute action's start; before the first compute, by its start.
-        bounds = [*row, makespan + 1]
-        p = bisect_right(ev, bounds[0])
-        out.extend(comm[:p])
-        j = 0
-        for a in program:
+        p, j = cut[0], 0
+        for a in schedule.actions[r]:
             if a is None:
                 continue
             append(a)
             kind = a.kind
             if kind is F or kind is I or kind is W or kind is B or kind is OVERLAP:
                 j += 1
-                q = bisect_right(ev, bounds[j], p)
+                q = cut[j]
                 if q > p:
                     out.extend(comm[p:q])
                     p = q
@@ -70,20 +62,21 @@ def communication_pass(schedule: Schedule) -> Schedule:
     return schedule._derived(lowered)
 
 
-def collect_messages(schedule: Schedule, by_time: list[list[Action]]) -> tuple[list[list[int]], list[list[Action]]]:
-    """Per rank, the SEND/RECV of every cross-rank message and the time each arrives, in time order.
+def place_messages(schedule: Schedule, run: UnitRun) -> tuple[list[list[int]], list[list[Action | None]]]:
+    """Per rank, the SEND/RECV of every cross-rank message in time order, and where they go.
 
-    ``by_time`` holds the message producers bucketed by start time (from
-    :func:`~pipetrain.plan.passes._timing.unit_time_run`): visiting them in order (linear) and
-    giving each message to both its ranks at once puts every rank's list in time order, and two
-    ranks see the messages between them in the same order (FIFO), without sorting.
+    ``cuts[r][k]`` counts rank r's messages that arrive by the start of its compute action k, so
+    the gap after action k holds ``acts[r][cuts[r][k] : cuts[r][k + 1]]`` (the last entry is all
+    of them). The producers are visited in order of start time (buckets of the unit-time run:
+    linear) and each message goes to both its ranks at once: every rank's list is then in time
+    order, and two ranks see the messages between them in the same order (FIFO), without sorting.
     """
-    num_ranks, num_stages = schedule.num_ranks, schedule.num_stages
-    rank_of = [schedule.stage_to_rank[s] for s in range(num_stages)]
-    times: list[list[int]] = [[] for _ in range(num_ranks)]  # arrival time of each message, per rank
-    acts: list[list[Action]] = [[] for _ in range(num_ranks)]
+    rank_of = [schedule.stage_to_rank[s] for s in range(schedule.num_stages)]
+    horizon = run.makespan + 1
+    arrivals = [[0] * (horizon + 1) for _ in range(schedule.num_ranks)]  # messages per arrival time
+    acts: list[list[Action | None]] = [[] for _ in range(schedule.num_ranks)]
     new = new_action  # hundreds of thousands of actions: one C call each
-    for st, bucket in enumerate(by_time):
+    for st, bucket in enumerate(run.by_time):
         end_time = st + 1
         for part in bucket:
             s = part.stage
@@ -97,8 +90,14 @@ def collect_messages(schedule: Schedule, by_time: list[list[Action]]) -> tuple[l
                 d = rank_of[s - 1]
                 send = new(Action, (s, SEND_B, m, None))
                 recv = new(Action, (s - 1, RECV_B, m, None))
-            times[r].append(end_time)
+            arrivals[r][end_time] += 1
             acts[r].append(send)
-            times[d].append(end_time)
+            arrivals[d][end_time] += 1
             acts[d].append(recv)
-    return times, acts
+    cuts = []
+    for r in range(schedule.num_ranks):
+        upto = list(accumulate(arrivals[r]))  # messages arrived by each time
+        cut = [upto[t] for t in run.starts[r]]
+        cut.append(len(acts[r]))
+        cuts.append(cut)
+    return cuts, acts
