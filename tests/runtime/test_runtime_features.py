@@ -166,3 +166,50 @@ def test_structured_boundaries_kwargs_uneven_and_changing_shapes(
     monkeypatch.setenv("PIPETRAIN_SINGLE_TAG", "1" if single_tag else "0")
     results = run_ranks(_features, 2, single_tag)
     assert len(results[0]) == len(results[1]) == 5
+
+
+def _early(name: str, ranks: int, v: int) -> tuple[Any, dict[int, list[Any]]]:
+    from pipetrain.plan import build_schedule
+    from pipetrain.runtime import _comm_parts
+
+    schedule = build_schedule(name, ranks, 8, v).lower()
+    early = {
+        r: [a for _, ahead in _comm_parts(schedule.actions[r], schedule.stage_to_rank, True) for a in ahead]
+        for r in range(ranks)
+    }
+    return schedule, early
+
+
+@pytest.mark.parametrize(("name", "v"), [("1F1B", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2)])
+def test_early_receives_keep_the_order_per_peer(name: str, v: int) -> None:
+    """Receives posted early are all of a peer's, in program order: gloo matches per peer and tag."""
+    from pipetrain.plan import ActionKind
+
+    schedule, early = _early(name, 2, v)
+    for r, ahead in early.items():
+        recvs = [a for a in schedule.actions[r] if a is not None and a.kind in (ActionKind.RECV_F, ActionKind.RECV_B)]
+        grads = any(a.kind is ActionKind.RECV_B for a in recvs)  # 2 ranks: one peer
+        assert ahead == (recvs if grads else []), (name, r)
+
+
+def test_early_receives_only_from_peers_sending_gradients() -> None:
+    """1F1B: the first rank gets gradients (posted early), the last only activations (in place)."""
+    _, early = _early("1F1B", 2, 1)
+    assert len(early[0]) == 8 and not early[1]
+
+
+def test_one_tensor_messages_travel_in_their_dtype() -> None:
+    """A one-tensor message is received into a buffer of its dtype and read back as one view."""
+    from pipetrain.transport import _SAME, _pack, _recv_buffer, _unpack, layout_of
+
+    for t in [torch.randn(3, 5, requires_grad=True), torch.arange(7, dtype=torch.int64), torch.randn(0, 4)]:
+        layout, tensors = layout_of(t)
+        sent = _pack(_SAME, 0, 0, layout, [x.detach() for x in tensors], torch.device("cpu"))
+        buf = _recv_buffer(layout, torch.device("cpu"))
+        assert buf.dtype is t.dtype and buf.nbytes == sent.nbytes
+        buf.view(torch.uint8).copy_(sent.view(torch.uint8))  # what the transport delivers
+        (got,) = _unpack(buf, layout)
+        torch.testing.assert_close(got, t.detach())
+        # a message packed under another layout arrives as bytes and still unpacks
+        (again,) = _unpack(sent.view(torch.uint8).clone(), layout)
+        torch.testing.assert_close(again, t.detach())
