@@ -4,9 +4,7 @@ Every schedule class is only a way to build a ``Schedule``; what happens at run 
 here once, for all of them. The executor makes no scheduling decision: it walks this rank's
 program, posts sends and receives where the program says so (a run of consecutive SEND/RECV
 actions is one batch), waits for received data only right before a compute action uses it, and
-completes all sends by the end of the step. One exception, where operations match per tag
-(gloo): receives from a peer that sends this rank gradients are posted at the start of the step,
-in program order (see ``_Program._early_receives``); that changes no matching and no wait.
+completes all sends by the end of the step.
 
 ``_Program`` holds one rank's per-step state and is written as a generator that yields whenever
 it needs data that has not arrived. Over ``torch.distributed`` waiting blocks (so it never
@@ -17,7 +15,6 @@ process instead.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Callable, Generator, Sequence
 from datetime import timedelta
@@ -48,15 +45,6 @@ __all__ = ["PipelineScheduleRuntime", "prepare_schedule"]
 LossFn = Callable[[Any, Any], torch.Tensor]
 _K = ActionKind
 
-# Early receives (gloo with tags only, see _Program._early_receives): receives from a peer that
-# sends this rank gradients are posted ahead of where the program places them, at most
-# RECV_AHEAD of them ahead at any time (None: no bound, all at the start of the step; 0: none
-# early). Each is a buffer the size of the message, so a bound caps the extra memory. The
-# environment variable PIPETRAIN_RECV_AHEAD, when set, overrides it. Receives from a peer that
-# only sends activations stay in place unless RECV_EARLY_GRADS_ONLY is False.
-RECV_AHEAD: int | None = None
-RECV_EARLY_GRADS_ONLY = True
-
 
 class Comm(Protocol):
     """What the executor needs from a transport (distributed or in-process)."""
@@ -69,8 +57,6 @@ class Comm(Protocol):
 
 
 class _DistComm:
-    blocking = True  # take() waits; ready() is always true and poll() has nothing to do mid-step
-
     def __init__(self, transport: DistTransport) -> None:
         self.transport = transport
 
@@ -88,21 +74,6 @@ class _DistComm:
 
     def finish(self) -> None:
         self.transport.finish()
-
-    def lookahead(self) -> int:
-        """How many receives may be posted ahead of their place (0: where the program says)."""
-        if self.transport.single_tag:
-            return 0
-        ahead = RECV_AHEAD
-        env = os.environ.get("PIPETRAIN_RECV_AHEAD")
-        if env:
-            try:
-                ahead = int(env)
-            except ValueError:
-                raise PipelineError(f"PIPETRAIN_RECV_AHEAD must be an integer >= 0, got {env!r}") from None
-        if ahead is not None and ahead < 0:
-            raise PipelineError(f"the receive window must be >= 0, got {ahead}")
-        return 1 << 62 if ahead is None else ahead
 
 
 def _as_inputs(obj: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -154,40 +125,6 @@ def _segments(program: Sequence[Action | None]) -> list[tuple[int, int, list[Act
     if len(_SEGMENTS) > 64:  # programs of discarded schedules
         _SEGMENTS.clear()
     _SEGMENTS[id(program)] = (program, out)
-    return out
-
-
-_PARTS: dict[tuple[int, bool], tuple[Sequence[Action | None], list[tuple[list[Action], list[Action]]]]] = {}
-
-
-def _comm_parts(
-    program: Sequence[Action | None], stage_to_rank: dict[int, int], grads_only: bool
-) -> list[tuple[list[Action], list[Action]]]:
-    """Per run of SEND/RECV actions of ``program``: the actions to post there, and the RECVs that
-    may be posted ahead of it (cached per program).
-
-    Receives are posted early per peer, all or none of a peer's, so their order per peer (which
-    is what gloo matches by) never changes. With ``grads_only`` only the receives from peers that
-    send this rank gradients are posted early.
-    """
-    key = (id(program), grads_only)
-    hit = _PARTS.get(key)
-    if hit is not None and hit[0] is program:
-        return hit[1]
-
-    def peer(a: Action) -> int:
-        return stage_to_rank[a.stage - 1] if a.kind is _K.RECV_F else stage_to_rank[a.stage + 1]
-
-    recvs = [a for a in program if a is not None and (a.kind is _K.RECV_F or a.kind is _K.RECV_B)]
-    early = {peer(a) for a in recvs if a.kind is _K.RECV_B or not grads_only}
-    out = []
-    for _, j, batch in _segments(program):
-        if j:
-            ahead = [a for a in batch if (a.kind is _K.RECV_F or a.kind is _K.RECV_B) and peer(a) in early]
-            out.append(([a for a in batch if not any(a is b for b in ahead)], ahead))
-    if len(_PARTS) > 64:
-        _PARTS.clear()
-    _PARTS[key] = (program, out)
     return out
 
 
@@ -261,35 +198,11 @@ class _Program:
         n = len(program)
         events = self.events
         clock = time.perf_counter_ns
-        blocking = getattr(self.comm, "blocking", False)
-        lookahead = getattr(self.comm, "lookahead", None)
-        ahead = lookahead() if lookahead is not None else 0
-        parts = _comm_parts(program, self.stage_to_rank, RECV_EARLY_GRADS_ONLY) if ahead > 0 else []
-        early: list[Action] = [a for _, recvs in parts for a in recvs]  # in program order
-        if early:
-            # Post the first `ahead` early receives now (see _early_receives).
-            self._early_receives(early[:ahead], profiling)
-        posted = min(ahead, len(early))  # early receives posted so far
-        due = 0  # early receives whose place in the program has been reached
-        part = 0
         for i, j, batch in _segments(program):
             action = batch[0]
             self.action = action
             self.pos = i
             if j:
-                if parts:
-                    # Post this run's other actions, and early receives up to `ahead` beyond
-                    # those whose place is this run or earlier (this run's own are among them).
-                    batch, own = parts[part]
-                    part += 1
-                    due += len(own)
-                    target = min(due + ahead, len(early))
-                    if target > posted:
-                        batch = batch + early[posted:target]
-                        posted = target
-                    if not batch:
-                        self.pos = j
-                        continue
                 t0 = clock()
                 with _Label(profiling, batch):
                     self._post(batch)
@@ -297,9 +210,8 @@ class _Program:
                 events.extend((a, t0, t1) for a in batch)
                 self.pos = j
                 continue
-            if not blocking:  # distributed waits block inside the action instead
-                self.comm.poll()
-                yield from self._wait_inputs(action)
+            self.comm.poll()
+            yield from self._wait_inputs(action)
             t0 = clock()
             # Grad mode is set per action, never across a yield (in-process ranks interleave).
             with torch.set_grad_enabled(train):
@@ -312,32 +224,6 @@ class _Program:
             self.pos = i + 1
         self.action = None
         self.pos = n
-
-    def _early_receives(self, actions: list[Action], profiling: bool) -> None:
-        """Post ``actions`` (RECVs, in program order) before the step's first action.
-
-        A receive posted before the peer posts the matching send lets the send go out at once;
-        posted where the program places it (often after the send), the data waits for a round
-        trip (gloo sends once the receiver announced its buffer). Posting a peer's receives
-        earlier, all of them in the same order, changes no matching and no wait, so it is only
-        done where operations match per tag (gloo with tags), never under order-only matching
-        (NCCL). Only peers that send gradients get them (``RECV_EARLY_GRADS_ONLY``): measured on
-        2 gloo ranks sharing a busy CPU, early receives of the activations of a last stage that
-        receives nothing else made 1F1B slower (the sender then writes the data itself, which
-        wakes the receiver mid-compute), while early gradient receives made every schedule
-        faster (2 ranks, small model: Interleaved1F1B and ZBV about 0.65x torch's step time
-        instead of about 1.0x; a window of 2-4 receives gave about 0.7x; 1F1B needs them all).
-        The price is memory: a buffer per early receive, from the start of the step unless
-        ``RECV_AHEAD`` bounds how many are posted ahead of their place.
-        """
-        if not actions:
-            return
-        self.action = actions[0]
-        t0 = time.perf_counter_ns()
-        with _Label(profiling, actions):
-            self._post(actions)
-        t1 = time.perf_counter_ns()
-        self.events.extend((a, t0, t1) for a in actions)
 
     def unsent(self) -> list[tuple[tuple[str, int, int], int]]:
         """``(message key, peer)`` of the SEND actions this step has not posted yet."""
@@ -863,8 +749,6 @@ class PipelineScheduleRuntime:
             self._report(message if message.startswith("rank ") else f"rank {self.rank}: {message}")
         # Wake whoever waits for a message of ours (after the report, so they can read it).
         self._transport.poison(program.unsent())
-        # Receives posted but not taken may still be in flight: keep them alive (see reset()).
-        self._transport.park([*program.recv_f.values(), *program.recv_b.values()])
         # Pending operations can never complete now: start afresh (the parked threads stay asleep).
         self._transport.reset()
         self._waiter.close()
