@@ -749,6 +749,8 @@ class PipelineScheduleRuntime:
             self._report(message if message.startswith("rank ") else f"rank {self.rank}: {message}")
         # Wake whoever waits for a message of ours (after the report, so they can read it).
         self._transport.poison(program.unsent())
+        # Receives posted but not taken may still be in flight: keep them alive (see reset()).
+        self._transport.park([*program.recv_f.values(), *program.recv_b.values()])
         # Pending operations can never complete now: start afresh (the parked threads stay asleep).
         self._transport.reset()
         self._waiter.close()

@@ -549,8 +549,15 @@ class DistTransport:
         """Block until every send of the step has completed (watching for failures)."""
         self.waiter.drain()
 
+    def park(self, handles: Sequence[RecvHandle]) -> None:
+        """Keep ``handles`` (receives that may still be in flight) alive for the life of the process."""
+        _NOTICES.extend(handles)
+
     def reset(self) -> None:
         """Forget layouts and pending receives (after a failure both sides start afresh)."""
+        # Receives still posted can never complete in order now; keep their operations and
+        # buffers alive (as the failure notices are) rather than destroying operations in flight.
+        _NOTICES.extend(handle for queue in self._unresolved.values() for handle in queue)
         self._sent.clear()
         self._sent_sig.clear()
         self._received.clear()
