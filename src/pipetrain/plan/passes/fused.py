@@ -5,7 +5,8 @@
 compute action k of a rank come its UNSHARDs, the action, the messages of the gap after it,
 its REDUCE_GRADs, then its RESHARDs; the messages arriving before the first compute action
 open the program. Doing it in one sweep saves building, scanning and freeing two intermediate
-schedules of hundreds of thousands of actions. The input is a validated compute-only schedule.
+schedules of hundreds of thousands of actions. The input is a compute-only schedule; the
+unit-time run checks it on the way (see :mod:`~pipetrain.plan.passes._timing`).
 """
 
 from __future__ import annotations
