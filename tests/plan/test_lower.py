@@ -354,6 +354,8 @@ def _mutate(s: Schedule, rng: random.Random, how: str) -> Schedule:
     )
     if how == "stage":  # the constructor refuses a misplaced stage: put it there afterwards, as a user could
         out.actions[r][k] = Action(rng.randrange(s.num_stages), part.kind, part.microbatch)
+    if how == "out of range":  # likewise a microbatch past the schedule's last
+        out.actions[r][k] = Action(part.stage, part.kind, s.num_microbatches + rng.randrange(2))
     return out
 
 
@@ -361,7 +363,7 @@ def _mutate(s: Schedule, rng: random.Random, how: str) -> Schedule:
 @given(
     seed=st.integers(0, 2**32 - 1),
     name=st.sampled_from(schedule_names()),
-    how=st.sampled_from(["drop", "duplicate", "swap", "kind", "stage", "microbatch"]),
+    how=st.sampled_from(["drop", "duplicate", "swap", "kind", "stage", "microbatch", "out of range"]),
     fsdp=st.booleans(),
 )
 def test_lower_rejects_what_validate_rejects_with_its_message(seed: int, name: str, how: str, fsdp: bool) -> None:

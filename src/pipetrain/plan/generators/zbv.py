@@ -30,14 +30,13 @@ from __future__ import annotations
 
 from collections import deque
 
-from pipetrain.plan.actions import Action, ActionKind, new_action
+from pipetrain.plan.actions import Action
 from pipetrain.plan.errors import ScheduleError
-from pipetrain.plan.generators._common import Program, make_schedule, require, v_placement
+from pipetrain.plan.generators._common import F, I, Program, W, make_schedule, require, v_placement
 from pipetrain.plan.generators._registry import ScheduleFamily, register
 from pipetrain.plan.schedule import Schedule
 
 NAME = "ZBVZeroBubble"
-_F, _I, _W = ActionKind.F, ActionKind.I, ActionKind.W
 
 
 class _Rank:
@@ -50,19 +49,18 @@ class _Rank:
         self.pending_w: tuple[deque[int], deque[int]] = (deque(), deque())
         self.program: Program = []
 
-    # Called for every action of the schedule: build the actions directly (no helper call).
     def f(self, chunk: int) -> None:
-        self.program.append(new_action(Action, (self.stages[chunk], _F, self.next_f[chunk], None)))
+        self.program.append(F(self.stages[chunk], self.next_f[chunk]))
         self.next_f[chunk] += 1
 
     def i(self, chunk: int) -> None:
         mb = self.next_i[chunk]
-        self.program.append(new_action(Action, (self.stages[chunk], _I, mb, None)))
+        self.program.append(I(self.stages[chunk], mb))
         self.pending_w[chunk].append(mb)
         self.next_i[chunk] += 1
 
     def w(self, chunk: int) -> None:
-        self.program.append(new_action(Action, (self.stages[chunk], _W, self.pending_w[chunk].popleft(), None)))
+        self.program.append(W(self.stages[chunk], self.pending_w[chunk].popleft()))
 
 
 def _rank_program(rank: int, num_ranks: int, n: int) -> Program:

@@ -105,11 +105,9 @@ def unit_time_run(schedule: Schedule) -> UnitRun:
                     i += 1
                     continue
                 k = a.kind
+                s = a.stage
+                m = a.microbatch
                 if k is F:
-                    s = a.stage
-                    m = a.microbatch
-                    if rank_of[s] != r or m >= M:  # type: ignore[operator]
-                        raise _BreachError
                     node = s * M + m  # type: ignore[operator]
                     if s:
                         e = end[node - M]
@@ -120,10 +118,6 @@ def unit_time_run(schedule: Schedule) -> UnitRun:
                             t0 = e
                     sends = next_cross[s]
                 elif k is I or k is B:
-                    s = a.stage
-                    m = a.microbatch
-                    if rank_of[s] != r or m >= M:  # type: ignore[operator]
-                        raise _BreachError
                     sm = s * M + m  # type: ignore[operator]
                     node = SM + sm
                     e = end[sm]
@@ -143,10 +137,6 @@ def unit_time_run(schedule: Schedule) -> UnitRun:
                     if k is I:
                         is_i[sm] = 1
                 elif k is W:
-                    s = a.stage
-                    m = a.microbatch
-                    if rank_of[s] != r or m >= M:  # type: ignore[operator]
-                        raise _BreachError
                     sm = s * M + m  # type: ignore[operator]
                     node = 2 * SM + sm
                     e = end[SM + sm]
@@ -209,6 +199,11 @@ def unit_time_run(schedule: Schedule) -> UnitRun:
                     lowered += 1
                     i += 1
                     continue
+                # Placement and range are checked once the action can run: one that breaks them and
+                # blocks instead (on a node its wrong indices name) leaves the run stuck, and either
+                # way validate() names it.
+                if rank_of[s] != r or m >= M:  # type: ignore[operator]
+                    raise _BreachError
                 row.append(t0)
                 if sends:
                     if t0 < len(by_time):

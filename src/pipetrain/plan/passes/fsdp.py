@@ -87,21 +87,10 @@ def fsdp_slots(
         if subs is None:
             s = action.stage
             prev = last_use[s]
-            if prev < 0:
+            if prev >= 0 and k - prev <= window:
+                last_use[s] = k
+            else:
                 use(s, k)
-                continue
-            if k - prev > window:  # use() inline: the common case of a stage used again later
-                slot = after[prev]
-                if slot is None:
-                    after[prev] = [reshard[s]]
-                else:
-                    slot.append(reshard[s])
-                slot = before[k - prefetch]
-                if slot is None:
-                    before[k - prefetch] = [unshard[s]]
-                else:
-                    slot.append(unshard[s])
-            last_use[s] = k
         else:
             for part in subs:
                 use(part.stage, k)
