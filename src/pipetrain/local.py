@@ -30,6 +30,9 @@ __all__ = ["LocalPipeline"]
 
 
 class _LocalComm:
+    blocking = False  # a rank yields while its data has not arrived
+    ahead = 0
+
     def __init__(self, rank: int, transport: LocalTransport) -> None:
         self.rank = rank
         self.transport = transport

@@ -4,7 +4,10 @@ Every schedule class is only a way to build a ``Schedule``; what happens at run 
 here once, for all of them. The executor makes no scheduling decision: it walks this rank's
 program, posts sends and receives where the program says so (a run of consecutive SEND/RECV
 actions is one batch), waits for received data only right before a compute action uses it, and
-completes all sends by the end of the step.
+completes all sends by the end of the step. One exception, where operations match per peer and
+tag (gloo): receives from a peer that sends this rank gradients are posted ahead of their place,
+by default all at the start of the step, in program order (see ``_Program._early_receives`` and
+the runtime's ``recv_ahead``); that changes no matching and no wait.
 
 ``_Program`` holds one rank's per-step state and is written as a generator that yields whenever
 it needs data that has not arrived. Over ``torch.distributed`` waiting blocks (so it never
@@ -15,6 +18,7 @@ process instead.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable, Generator, Sequence
 from datetime import timedelta
@@ -45,9 +49,37 @@ __all__ = ["PipelineScheduleRuntime", "prepare_schedule"]
 LossFn = Callable[[Any, Any], torch.Tensor]
 _K = ActionKind
 
+# Early receives (see _Program._early_receives) come only from peers that send this rank
+# gradients: measured on 2 gloo ranks, posting a last stage's activation receives early as well
+# made 1F1B slower, while early gradient receives made every schedule faster.
+RECV_EARLY_GRADS_ONLY = True
+_UNBOUNDED = 1 << 62
+
+
+def _recv_ahead(value: int | None) -> int:
+    """The receive window: ``value``, else ``PIPETRAIN_RECV_AHEAD``, else unbounded (all at the start)."""
+    if value is None:
+        env = os.environ.get("PIPETRAIN_RECV_AHEAD", "")
+        if not env:
+            return _UNBOUNDED
+        try:
+            value = int(env)
+        except ValueError:
+            raise PipelineError(f"PIPETRAIN_RECV_AHEAD must be an integer >= 0, got {env!r}") from None
+    if value < 0:
+        raise PipelineError(f"recv_ahead (the receive window) must be >= 0, got {value}")
+    return value
+
 
 class Comm(Protocol):
-    """What the executor needs from a transport (distributed or in-process)."""
+    """What the executor needs from a transport (distributed or in-process).
+
+    ``blocking``: ``take`` waits for the data itself (so the executor never yields). ``ahead``:
+    how many receives may be posted ahead of their place in the program (0: none).
+    """
+
+    blocking: bool
+    ahead: int
 
     def post(self, items: list[SendItem | RecvItem]) -> list[RecvHandle]: ...
     def ready(self, handle: RecvHandle) -> bool: ...
@@ -57,8 +89,12 @@ class Comm(Protocol):
 
 
 class _DistComm:
-    def __init__(self, transport: DistTransport) -> None:
+    blocking = True  # take() waits; ready() is always true and poll() has nothing to do mid-step
+
+    def __init__(self, transport: DistTransport, recv_ahead: int | None = 0) -> None:
         self.transport = transport
+        # Posting receives early changes no matching only where operations match per tag.
+        self.ahead = 0 if transport.single_tag else _recv_ahead(recv_ahead)
 
     def post(self, items: list[SendItem | RecvItem]) -> list[RecvHandle]:
         return self.transport.post(items)
@@ -125,6 +161,40 @@ def _segments(program: Sequence[Action | None]) -> list[tuple[int, int, list[Act
     if len(_SEGMENTS) > 64:  # programs of discarded schedules
         _SEGMENTS.clear()
     _SEGMENTS[id(program)] = (program, out)
+    return out
+
+
+_PARTS: dict[tuple[int, bool], tuple[Sequence[Action | None], list[tuple[list[Action], list[Action]]]]] = {}
+
+
+def _comm_parts(
+    program: Sequence[Action | None], stage_to_rank: dict[int, int], grads_only: bool
+) -> list[tuple[list[Action], list[Action]]]:
+    """Per run of SEND/RECV actions of ``program``: the actions to post there, and the RECVs that
+    may be posted ahead of it (cached per program).
+
+    Receives are posted early per peer, all or none of a peer's, so their order per peer (which
+    is what gloo matches by) never changes. With ``grads_only`` only the receives from peers that
+    send this rank gradients are posted early.
+    """
+    key = (id(program), grads_only)
+    hit = _PARTS.get(key)
+    if hit is not None and hit[0] is program:
+        return hit[1]
+
+    def peer(a: Action) -> int:
+        return stage_to_rank[a.stage - 1] if a.kind is _K.RECV_F else stage_to_rank[a.stage + 1]
+
+    recvs = [a for a in program if a is not None and (a.kind is _K.RECV_F or a.kind is _K.RECV_B)]
+    early = {peer(a) for a in recvs if a.kind is _K.RECV_B or not grads_only}
+    out = []
+    for _, j, batch in _segments(program):
+        if j:
+            ahead = [a for a in batch if (a.kind is _K.RECV_F or a.kind is _K.RECV_B) and peer(a) in early]
+            out.append(([a for a in batch if not any(a is b for b in ahead)], ahead))
+    if len(_PARTS) > 64:
+        _PARTS.clear()
+    _PARTS[key] = (program, out)
     return out
 
 
@@ -198,11 +268,34 @@ class _Program:
         n = len(program)
         events = self.events
         clock = time.perf_counter_ns
+        blocking = self.comm.blocking
+        ahead = self.comm.ahead
+        parts = _comm_parts(program, self.stage_to_rank, RECV_EARLY_GRADS_ONLY) if ahead > 0 else []
+        early: list[Action] = [a for _, recvs in parts for a in recvs]  # in program order
+        if early:
+            # Post the first `ahead` early receives now (see _early_receives).
+            self._early_receives(early[:ahead], profiling)
+        posted = min(ahead, len(early))  # early receives posted so far
+        due = 0  # early receives whose place in the program has been reached
+        part = 0
         for i, j, batch in _segments(program):
             action = batch[0]
             self.action = action
             self.pos = i
             if j:
+                if parts:
+                    # Post this run's other actions, and early receives up to `ahead` beyond
+                    # those whose place is this run or earlier (this run's own are among them).
+                    batch, own = parts[part]
+                    part += 1
+                    due += len(own)
+                    target = min(due + ahead, len(early))
+                    if target > posted:
+                        batch = batch + early[posted:target]
+                        posted = target
+                    if not batch:
+                        self.pos = j
+                        continue
                 t0 = clock()
                 with _Label(profiling, batch):
                     self._post(batch)
@@ -210,8 +303,9 @@ class _Program:
                 events.extend((a, t0, t1) for a in batch)
                 self.pos = j
                 continue
-            self.comm.poll()
-            yield from self._wait_inputs(action)
+            if not blocking:  # distributed waits block inside the action instead
+                self.comm.poll()
+                yield from self._wait_inputs(action)
             t0 = clock()
             # Grad mode is set per action, never across a yield (in-process ranks interleave).
             with torch.set_grad_enabled(train):
@@ -224,6 +318,26 @@ class _Program:
             self.pos = i + 1
         self.action = None
         self.pos = n
+
+    def _early_receives(self, actions: list[Action], profiling: bool) -> None:
+        """Post ``actions`` (RECVs, in program order) before the step's first action.
+
+        A receive posted before the peer posts the matching send lets the data go out at once;
+        posted where the program places it (often after the send), the data waits for a round
+        trip (gloo sends once the receiver announced its buffer). Posting all of a peer's
+        receives earlier, in the same order, changes no matching and no wait, so it is done only
+        where operations match per peer and tag (gloo), never under order-only matching (NCCL).
+        The price is memory: a buffer per early receive, from the moment it is posted; the
+        runtime's ``recv_ahead`` bounds how many are posted ahead of their place.
+        """
+        if not actions:
+            return
+        self.action = actions[0]
+        t0 = time.perf_counter_ns()
+        with _Label(profiling, actions):
+            self._post(actions)
+        t1 = time.perf_counter_ns()
+        self.events.extend((a, t0, t1) for a in actions)
 
     def unsent(self) -> list[tuple[tuple[str, int, int], int]]:
         """``(message key, peer)`` of the SEND actions this step has not posted yet."""
@@ -503,6 +617,12 @@ class PipelineScheduleRuntime:
     or already lowered. ``step`` trains (forward, loss on the last stage, backward); ``eval``
     runs forward only, on every schedule. ``timeout`` bounds every wait for another rank; a failure
     on any rank makes every rank raise within about ``poll_interval`` seconds.
+
+    ``recv_ahead`` (gloo only): how many receives from peers that send this rank gradients may be
+    posted ahead of their place in the program. A receive posted before its send lets the data go
+    out at once instead of after a round trip; each costs a buffer the size of its message from
+    the moment it is posted. ``None``: the ``PIPETRAIN_RECV_AHEAD`` environment variable if set,
+    else no bound (all at the start of the step); ``0``: every receive where the program places it.
     """
 
     def __init__(
@@ -519,6 +639,7 @@ class PipelineScheduleRuntime:
         poll_interval: float = 0.05,
         group: dist.ProcessGroup | None = None,
         lower_options: dict[str, Any] | None = None,
+        recv_ahead: int | None = None,
     ) -> None:
         self._stage_list = [stages] if isinstance(stages, PipelineStage) else list(stages)
         if not self._stage_list:
@@ -568,7 +689,11 @@ class PipelineScheduleRuntime:
         self._waiter = self._new_waiter()
         self._transport = DistTransport(self.group, self._stage_list[0].device, self._failure, self._waiter)
         self._program = _Program(
-            self.rank, self.stages, self.schedule.stage_to_rank, self.schedule.num_stages, _DistComm(self._transport)
+            self.rank,
+            self.stages,
+            self.schedule.stage_to_rank,
+            self.schedule.num_stages,
+            _DistComm(self._transport, recv_ahead),
         )
         self._step_count = 0
         self._last_events: tuple[list[tuple[Action, int, int]], int, Schedule] | None = None

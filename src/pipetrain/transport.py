@@ -40,7 +40,8 @@ group waits for beyond the notice.
 ``DistTransport`` uses ``torch.distributed`` point-to-point operations (on a gloo group posted
 directly, elsewhere as ``batch_isend_irecv`` batches of buffers on the stage's device); sends
 complete in the background (see :class:`Waiter`). A message that is one tensor or a list or
-tuple of tensors skips pytree on both sides.
+tuple of tensors skips pytree on both sides; one tensor travels in a buffer of its own dtype (the
+header is a whole number of elements), so the receiver reads it back as a single view.
 ``LocalTransport`` hands objects over in memory for :class:`pipetrain.local.LocalPipeline`.
 """
 
@@ -92,12 +93,29 @@ class Layout:
     # (list, tuple): these skip pytree on both sides. None for anything else.
     simple: type | None = field(default=None, init=False, compare=False, repr=False)
     slots: tuple[list[tuple[int, int]], int] | None = field(default=None, init=False, compare=False, repr=False)
+    # A one-tensor message travels in a buffer of the tensor's own dtype (the header is 64 bytes,
+    # a whole number of elements): then the tensor is one strided view of it. ``(dtype, buffer
+    # elements, shape, strides, element offset, requires_grad)``; None for other messages.
+    single: tuple[torch.dtype, int, tuple[int, ...], tuple[int, ...], int, bool] | None = field(
+        default=None, init=False, compare=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         if len(self.plain) == len(self.tensors) and all(p is _TENSOR for p in self.plain):
             kind = self.spec.type if not self.spec.is_leaf() else torch.Tensor
             if kind is torch.Tensor or (kind in (list, tuple) and self.spec.num_children == len(self.tensors)):
                 object.__setattr__(self, "simple", kind)
+            if kind is torch.Tensor:
+                dtype, shape, rg = self.tensors[0]
+                size = _itemsize(dtype)
+                if (_HEADER * 8) % size == 0:
+                    strides, step = [], 1
+                    for d in reversed(shape):
+                        strides.append(step)
+                        step *= max(d, 1)
+                    total = _compute_slots(self)[1]
+                    single = (dtype, total // size, tuple(shape), tuple(reversed(strides)), _HEADER * 8 // size, rg)
+                    object.__setattr__(self, "single", single)
 
     def encode(self) -> torch.Tensor:
         try:
@@ -238,8 +256,13 @@ def _pack(
     """One flat byte buffer: the int64 header, then each tensor at an aligned offset."""
     slots, total = _slots(layout)
     if device.type == "cpu" and len(tensors) == 1 and slots[0][1] and extra == 0:
-        # The common case, in one copy: header bytes and the tensor's bytes side by side.
+        # The common case, in one copy: header and the tensor side by side.
         t = tensors[0]
+        single = layout.single if layout is not None else None
+        if single is not None and single[0] is t.dtype:
+            pad = single[1] - single[4] - t.numel()
+            head = _header_as(flag, t.dtype)
+            return torch.cat((head, t.reshape(-1), _zeros(pad, t.dtype)) if pad else (head, t.reshape(-1)))
         body = t.reshape(-1).view(torch.uint8)
         pad = total - _HEADER * 8 - body.numel()
         parts = [_header_bytes(flag), body] + ([torch.zeros(pad, dtype=torch.uint8)] if pad else [])
@@ -268,8 +291,43 @@ def _header_bytes(flag: int) -> torch.Tensor:
     return header
 
 
+_HEADERS_AS: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+_ZEROS: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+
+
+def _header_as(flag: int, dtype: torch.dtype) -> torch.Tensor:
+    """The header bytes of ``flag`` seen as elements of ``dtype`` (cached, never written)."""
+    header = _HEADERS_AS.get((flag, dtype))
+    if header is None:
+        header = _HEADERS_AS[(flag, dtype)] = _header_bytes(flag).view(dtype)
+    return header
+
+
+def _zeros(n: int, dtype: torch.dtype) -> torch.Tensor:
+    pad = _ZEROS.get((n, dtype))
+    if pad is None:
+        pad = _ZEROS[(n, dtype)] = torch.zeros(n, dtype=dtype)
+    return pad
+
+
+def _recv_buffer(layout: Layout | None, device: torch.device) -> torch.Tensor:
+    """The buffer a message of ``layout`` is received into: typed for one tensor, else bytes."""
+    single = layout.single if layout is not None else None
+    if single is not None:
+        return torch.empty(single[1], dtype=single[0], device=device)
+    return torch.empty(_slots(layout)[1], dtype=torch.uint8, device=device)
+
+
+def _bytes(flat: torch.Tensor) -> torch.Tensor:
+    return flat if flat.dtype is torch.uint8 else flat.view(torch.uint8)
+
+
 def _unpack(flat: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
     """Views of the tensors in a packed message (no copy)."""
+    single = layout.single
+    if single is not None and flat.dtype is single[0]:
+        return [flat.as_strided(single[2], single[3], single[4])]
+    flat = _bytes(flat)
     slots, _ = _slots(layout)
     return [
         flat[offset : offset + nbytes].view(dtype).view(shape)
@@ -375,6 +433,37 @@ class DistTransport:
         In single-tag mode the batch is cut before a second receive from the same peer, and the
         headers of each part are read right after it is posted (see the module docstring).
         """
+        pg = self._pg
+        if pg is None or self.single_tag:
+            return self._post_batch(items)
+        # gloo with tags: each operation is posted as soon as it is built (sends first).
+        background = self.waiter.background
+        for item in items:
+            if type(item) is SendItem:
+                ops: list[_Op] = []
+                keep = self._send_ops(item, ops)
+                works = [pg.send([t], peer, tag) for _, t, peer, tag in ops]
+                background(works, keep, None, (item.what, item.peer))
+                if item.on_done is not None:
+                    item.on_done()  # the data was copied into the message
+        handles: list[RecvHandle] = []
+        received = self._received
+        unresolved = self._unresolved
+        device = self.device
+        for item in items:
+            if type(item) is RecvItem:
+                cached = received.get(item.key)
+                flat = _recv_buffer(cached, device)
+                peer = item.peer
+                handle = RecvHandle(item.key, peer, item.what, flat, [pg.recv([flat], peer, _TAG_STEADY)], cached)
+                queue = unresolved.get(peer)
+                if queue is None:
+                    queue = unresolved[peer] = deque()
+                queue.append(handle)
+                handles.append(handle)
+        return handles
+
+    def _post_batch(self, items: list[SendItem | RecvItem]) -> list[RecvHandle]:
         ops: list[_Op] = []
         sends: list[tuple[int, int, SendItem, list[torch.Tensor]]] = []
         for item in items:
@@ -400,7 +489,7 @@ class DistTransport:
         launched = self._flush(ops, part)
         works = launched if works is None else works
         for start, end, send, keep in sends:
-            self.waiter.background(works[start:end], keep, None, f"{send.what} to rank {send.peer}")
+            self.waiter.background(works[start:end], keep, None, (send.what, send.peer))
             if send.on_done is not None:
                 send.on_done()  # the data was copied into the message
         return handles
@@ -438,7 +527,7 @@ class DistTransport:
         # sizes of the two follow-ups (the new layout, then the packed tensors).
         encoded = layout.encode().to(self.device)
         payload = _pack(_NEW, 0, 0, layout, tensors, self.device)
-        notice = _pack(_NEW, encoded.numel(), payload.numel(), old, [], self.device)
+        notice = _pack(_NEW, encoded.numel(), payload.nbytes, old, [], self.device)
         ops.append((True, notice, item.peer, _TAG_STEADY))
         ops.append((True, encoded, item.peer, self._tag_new))
         ops.append((True, payload, item.peer, self._tag_new))
@@ -447,7 +536,7 @@ class DistTransport:
 
     def _recv_ops(self, item: RecvItem, ops: list[_Op]) -> RecvHandle:
         cached = self._received.get(item.key)
-        flat = torch.empty(_slots(cached)[1], dtype=torch.uint8, device=self.device)
+        flat = _recv_buffer(cached, self.device)
         handle = RecvHandle(item.key, item.peer, item.what, flat=flat, cached=cached)
         handle.works = [len(ops)]  # replaced by the Work objects once posted
         ops.append((False, flat, item.peer, _TAG_STEADY))
@@ -467,7 +556,7 @@ class DistTransport:
             if flag == _SAME and handle.cached is not None:
                 handle.layout = handle.cached
                 continue
-            header = flat[: _HEADER * 8].view(torch.int64)
+            header = _bytes(flat)[: _HEADER * 8].view(torch.int64)
             encoded = torch.empty(int(header[1]), dtype=torch.uint8, device=self.device)
             payload = torch.empty(int(header[2]), dtype=torch.uint8, device=self.device)
             handle.encoded, handle.flat = encoded, payload
@@ -485,14 +574,17 @@ class DistTransport:
             if handle.cached is not None:
                 # Steady state: the message was posted early; wait for it alone.
                 if self._wait_early(handle) == _SAME and queue is not None:
-                    queue.remove(handle)
+                    if queue[0] is handle:
+                        queue.popleft()
+                    else:
+                        queue.remove(handle)
                     handle.settled = True
                     handle.layout = handle.cached
             # Follow-ups travel on their own tag, which both sides use in posting order.
             while not handle.settled and queue:
                 self._settle([queue.popleft()])
         if handle.works:
-            self.waiter.wait(handle.works, f"{handle.what} from rank {handle.peer}")
+            self.waiter.wait(handle.works, handle)
             handle.works = []
         layout = handle.layout
         if layout is None:
@@ -501,7 +593,13 @@ class DistTransport:
             self._received[handle.key] = layout
         flat = handle.flat
         assert flat is not None
-        value = rebuild(layout, _unpack(flat, layout))
+        single = layout.single
+        if single is not None and flat.dtype is single[0]:
+            value = flat.as_strided(single[2], single[3], single[4])
+            if single[5] and value.is_floating_point():
+                value.requires_grad_(True)
+        else:
+            value = rebuild(layout, _unpack(flat, layout))
         handle.flat = handle.encoded = handle.layout = handle.cached = None
         handle.resolved = True
         return value
@@ -512,21 +610,22 @@ class DistTransport:
         assert flat is not None
         if flat.device.type == "cpu":  # the flag is the low byte of the first header word
             return int(ctypes.c_uint8.from_address(flat.data_ptr()).value)
-        return int(flat[0])
+        return int(_bytes(flat)[0])
 
     def _wait_early(self, handle: RecvHandle) -> int:
         """Wait for the first message of ``handle``; its flag (raises on a failure notice)."""
         if not handle.works:
             return self._flag(handle)
-        what = f"{handle.what} from rank {handle.peer}"
-        self.waiter.wait(handle.works, what)
+        self.waiter.wait(handle.works, handle)
         handle.works = []
         flag = self._flag(handle)
         if flag == _FAIL:
             failure = self.failure
             story = None if failure is None else failure.check()
             because = story or f"rank {handle.peer} failed (see its error)"
-            raise RemoteFailureError(f"{self.waiter.where()}: stopped while waiting for {what} because {because}")
+            raise RemoteFailureError(
+                f"{self.waiter.where()}: stopped while waiting for {_describe(handle)} because {because}"
+            )
         return flag
 
     def poison(self, sends: Sequence[tuple[Key, int]]) -> None:
@@ -635,6 +734,15 @@ class FailureChannel:
         return None
 
 
+def _describe(what: Any) -> str:
+    """What an operation carries, for error messages (built only when one is raised)."""
+    if isinstance(what, tuple):  # (what, peer) of a send: the item itself would keep its data alive
+        return f"{what[0]} to rank {what[1]}"
+    if isinstance(what, RecvHandle):
+        return f"{what.what} from rank {what.peer}"
+    return str(what)
+
+
 class _Job:
     __slots__ = ("done", "error", "keep", "on_done", "what", "works")
 
@@ -680,17 +788,20 @@ class Waiter:
         self.timeout = timeout
         self.poll = poll
         self.where = where
+        self._limit = timedelta(seconds=timeout)
         self._bg: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._finished: deque[_Job] = deque()
         self._outstanding: deque[tuple[list[Any], str, Any, Callable[[], None] | None]] = deque()
         threading.Thread(target=_serve, args=(self._bg, self._finished), daemon=True, name="pipetrain-sends").start()
 
-    def wait(self, works: list[Any], what: str) -> None:
-        limit = timedelta(seconds=self.timeout)
+    def wait(self, works: list[Any], what: Any) -> None:
+        """Wait for ``works``; ``what`` (a string, or a handle or item :func:`_describe` names) is for errors."""
+        limit = self._limit
         for work in works:
             try:
                 work.wait(limit)
             except Exception as err:
+                what = _describe(what)
                 story = None if self.failure is None else self.failure.check()
                 if story is not None:
                     raise RemoteFailureError(f"{self.where()}: waiting for {what} failed because {story}") from err
@@ -698,8 +809,11 @@ class Waiter:
                     f"{self.where()}: waiting for {what} failed (timeout {self.timeout:g} s; no rank reported a failure): {err}"
                 ) from err
 
-    def background(self, works: list[Any], keep: Any, on_done: Callable[[], None] | None, what: str) -> None:
-        """Remember a posted send; :meth:`drain` waits for all of them at the end of the step."""
+    def background(self, works: list[Any], keep: Any, on_done: Callable[[], None] | None, what: Any) -> None:
+        """Remember a posted send; :meth:`drain` waits for all of them at the end of the step.
+
+        ``what`` names it in errors: a string, or ``(what, peer)`` of a send (named only when needed).
+        """
         self._outstanding.append((works, what, keep, on_done))
 
     def run_callbacks(self) -> None:
@@ -716,13 +830,14 @@ class Waiter:
             jobs = list(self._outstanding)
             self._outstanding.clear()
             works = [w for job in jobs for w in job[0]]
-            what = ", ".join(job[1] for job in jobs[:3]) + (f" and {len(jobs) - 3} more" if len(jobs) > 3 else "")
+            what = ", ".join(_describe(job[1]) for job in jobs[:3])
+            what += f" and {len(jobs) - 3} more" if len(jobs) > 3 else ""
             batch = _Job(works, f"sends {what}", [job[2] for job in jobs])
             self._bg.put(batch)
             self._block(batch)
             for job_works, job_what, _, on_done in jobs:
                 if on_done is not None:
-                    self._finished.append(_Job(job_works, job_what, None, on_done))
+                    self._finished.append(_Job(job_works, _describe(job_what), None, on_done))
         self.run_callbacks()
 
     def _block(self, job: _Job) -> None:

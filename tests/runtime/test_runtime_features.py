@@ -166,3 +166,97 @@ def test_structured_boundaries_kwargs_uneven_and_changing_shapes(
     monkeypatch.setenv("PIPETRAIN_SINGLE_TAG", "1" if single_tag else "0")
     results = run_ranks(_features, 2, single_tag)
     assert len(results[0]) == len(results[1]) == 5
+
+
+def _early(name: str, ranks: int, v: int) -> tuple[Any, dict[int, list[Any]]]:
+    from pipetrain.plan import build_schedule
+    from pipetrain.runtime import _comm_parts
+
+    schedule = build_schedule(name, ranks, 8, v).lower()
+    early = {
+        r: [a for _, ahead in _comm_parts(schedule.actions[r], schedule.stage_to_rank, True) for a in ahead]
+        for r in range(ranks)
+    }
+    return schedule, early
+
+
+@pytest.mark.parametrize(("name", "v"), [("1F1B", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2)])
+def test_early_receives_keep_the_order_per_peer(name: str, v: int) -> None:
+    """Receives posted early are all of a peer's, in program order: gloo matches per peer and tag."""
+    from pipetrain.plan import ActionKind
+
+    schedule, early = _early(name, 2, v)
+    for r, ahead in early.items():
+        recvs = [a for a in schedule.actions[r] if a is not None and a.kind in (ActionKind.RECV_F, ActionKind.RECV_B)]
+        grads = any(a.kind is ActionKind.RECV_B for a in recvs)  # 2 ranks: one peer
+        assert ahead == (recvs if grads else []), (name, r)
+
+
+def test_early_receives_only_from_peers_sending_gradients() -> None:
+    """1F1B: the first rank gets gradients (posted early), the last only activations (in place)."""
+    _, early = _early("1F1B", 2, 1)
+    assert len(early[0]) == 8 and not early[1]
+
+
+def test_one_tensor_messages_travel_in_their_dtype() -> None:
+    """A one-tensor message is received into a buffer of its dtype and read back as one view."""
+    from pipetrain.transport import _SAME, _pack, _recv_buffer, _unpack, layout_of
+
+    for t in [torch.randn(3, 5, requires_grad=True), torch.arange(7, dtype=torch.int64), torch.randn(0, 4)]:
+        layout, tensors = layout_of(t)
+        sent = _pack(_SAME, 0, 0, layout, [x.detach() for x in tensors], torch.device("cpu"))
+        buf = _recv_buffer(layout, torch.device("cpu"))
+        assert buf.dtype is t.dtype and buf.nbytes == sent.nbytes
+        buf.view(torch.uint8).copy_(sent.view(torch.uint8))  # what the transport delivers
+        (got,) = _unpack(buf, layout)
+        torch.testing.assert_close(got, t.detach())
+        # a message packed under another layout arrives as bytes and still unpacks
+        (again,) = _unpack(sent.view(torch.uint8).clone(), layout)
+        torch.testing.assert_close(again, t.detach())
+
+
+def test_receive_window_comes_from_the_keyword_or_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipetrain.errors import PipelineError
+    from pipetrain.runtime import _UNBOUNDED, _recv_ahead
+
+    monkeypatch.delenv("PIPETRAIN_RECV_AHEAD", raising=False)
+    assert _recv_ahead(None) == _UNBOUNDED
+    assert _recv_ahead(2) == 2
+    monkeypatch.setenv("PIPETRAIN_RECV_AHEAD", "3")
+    assert _recv_ahead(None) == 3
+    assert _recv_ahead(0) == 0  # the keyword wins
+    monkeypatch.setenv("PIPETRAIN_RECV_AHEAD", "many")
+    with pytest.raises(PipelineError, match="PIPETRAIN_RECV_AHEAD must be an integer >= 0, got 'many'"):
+        _recv_ahead(None)
+    with pytest.raises(PipelineError, match=r"recv_ahead \(the receive window\) must be >= 0, got -1"):
+        _recv_ahead(-1)
+
+
+def _receive_times(rank: int, world: int) -> dict[int, tuple[list[float], float]]:
+    """Per receive window: when rank 0's RECV_B actions were posted, and when its first compute ended."""
+    from pipetrain import PipelineStage, Schedule1F1B
+
+    out = {}
+    for ahead in (None, 0):
+        torch.manual_seed(0)
+        stage = PipelineStage(nn.Linear(4, 4), rank, world, "cpu")
+        sched = Schedule1F1B(stage, 4, loss_fn=nn.functional.mse_loss, recv_ahead=ahead)
+        x, y = torch.randn(8, 4), torch.randn(8, 4)
+        for _ in range(2):  # the second step runs with the layouts known
+            sched.step(*((x,) if rank == 0 else ()), target=y if rank == world - 1 else None)
+        timeline = sched.last_timeline
+        assert timeline is not None
+        recvs = [e.start for e in timeline.events if e.kind == "RECV_B"]
+        first_compute = min(e.end for e in timeline.events if e.kind in ("F", "B"))
+        out[0 if ahead is None else 1] = (recvs, first_compute)
+    return out
+
+
+def test_gradient_receives_are_posted_at_the_start_of_the_step() -> None:
+    """By default the first stage posts every gradient receive before its first compute ends;
+    with ``recv_ahead=0`` they stay where the program places them (the last after a backward)."""
+    results = run_ranks(_receive_times, 2)
+    early, first = results[0][0]
+    assert len(early) == 4 and max(early) < first, (early, first)
+    placed, first = results[0][1]
+    assert len(placed) == 4 and max(placed) > first, (placed, first)

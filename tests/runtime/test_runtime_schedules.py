@@ -69,3 +69,14 @@ def test_every_schedule_matches_plain_training(world: int, single_tag: bool, mon
     monkeypatch.setenv("PIPETRAIN_SINGLE_TAG", "1" if single_tag else "0")
     results = run_ranks(_check_all_schedules, world, ("mlp", "transformer"), single_tag)
     assert all(len(r) == 2 * len(schedule_names()) for r in results)
+
+
+@pytest.mark.parametrize("ahead", ["0", "1"])
+def test_every_schedule_with_a_bounded_receive_window(ahead: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Receives posted ahead of their place, at most ``ahead`` at a time (0: none early): same results."""
+    from pipetrain.plan import schedule_names
+
+    monkeypatch.setenv("PIPETRAIN_SINGLE_TAG", "0")
+    monkeypatch.setenv("PIPETRAIN_RECV_AHEAD", ahead)
+    results = run_ranks(_check_all_schedules, 2, ("mlp",), False)
+    assert all(len(r) == len(schedule_names()) for r in results)
