@@ -217,10 +217,10 @@ def test_one_tensor_messages_travel_in_their_dtype() -> None:
 
 def test_receive_window_comes_from_the_keyword_or_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     from pipetrain.errors import PipelineError
-    from pipetrain.runtime import _UNBOUNDED, _recv_ahead
+    from pipetrain.runtime import DEFAULT_RECV_AHEAD, _recv_ahead
 
     monkeypatch.delenv("PIPETRAIN_RECV_AHEAD", raising=False)
-    assert _recv_ahead(None) == _UNBOUNDED
+    assert _recv_ahead(None) == DEFAULT_RECV_AHEAD == 4
     assert _recv_ahead(2) == 2
     monkeypatch.setenv("PIPETRAIN_RECV_AHEAD", "3")
     assert _recv_ahead(None) == 3
@@ -232,31 +232,34 @@ def test_receive_window_comes_from_the_keyword_or_the_environment(monkeypatch: p
         _recv_ahead(-1)
 
 
-def _receive_times(rank: int, world: int) -> dict[int, tuple[list[float], float]]:
+def _receive_times(rank: int, world: int) -> dict[Any, tuple[list[float], float]]:
     """Per receive window: when rank 0's RECV_B actions were posted, and when its first compute ended."""
     from pipetrain import PipelineStage, Schedule1F1B
 
     out = {}
-    for ahead in (None, 0):
+    for ahead in (None, 0, 100):
         torch.manual_seed(0)
         stage = PipelineStage(nn.Linear(4, 4), rank, world, "cpu")
-        sched = Schedule1F1B(stage, 4, loss_fn=nn.functional.mse_loss, recv_ahead=ahead)
-        x, y = torch.randn(8, 4), torch.randn(8, 4)
+        sched = Schedule1F1B(stage, 8, loss_fn=nn.functional.mse_loss, recv_ahead=ahead)
+        x, y = torch.randn(16, 4), torch.randn(16, 4)
         for _ in range(2):  # the second step runs with the layouts known
             sched.step(*((x,) if rank == 0 else ()), target=y if rank == world - 1 else None)
         timeline = sched.last_timeline
         assert timeline is not None
-        recvs = [e.start for e in timeline.events if e.kind == "RECV_B"]
+        recvs = sorted(e.start for e in timeline.events if e.kind == "RECV_B")
         first_compute = min(e.end for e in timeline.events if e.kind in ("F", "B"))
-        out[0 if ahead is None else 1] = (recvs, first_compute)
+        out[ahead] = (recvs, first_compute)
     return out
 
 
-def test_gradient_receives_are_posted_at_the_start_of_the_step() -> None:
-    """By default the first stage posts every gradient receive before its first compute ends;
-    with ``recv_ahead=0`` they stay where the program places them (the last after a backward)."""
+def test_gradient_receives_are_posted_ahead_within_the_window() -> None:
+    """The first stage posts its first 4 gradient receives (the default window) before its first
+    compute ends and the others later; ``recv_ahead=0`` leaves them where the program places them
+    (none before a compute ended), a large window posts all 8 at the start."""
     results = run_ranks(_receive_times, 2)
-    early, first = results[0][0]
-    assert len(early) == 4 and max(early) < first, (early, first)
-    placed, first = results[0][1]
-    assert len(placed) == 4 and max(placed) > first, (placed, first)
+    recvs, first = results[0][None]
+    assert len(recvs) == 8 and sum(t < first for t in recvs) == 4, (recvs, first)
+    recvs, first = results[0][0]
+    assert len(recvs) == 8 and not any(t < first for t in recvs), (recvs, first)
+    recvs, first = results[0][100]
+    assert len(recvs) == 8 and all(t < first for t in recvs), (recvs, first)
