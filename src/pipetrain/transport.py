@@ -436,16 +436,19 @@ class DistTransport:
         pg = self._pg
         if pg is None or self.single_tag:
             return self._post_batch(items)
-        # gloo with tags: each operation is posted as soon as it is built (sends first).
-        background = self.waiter.background
+        # gloo with tags: operations posted directly, sends first. Every message is built before
+        # any is posted, so a message that cannot be built (say, an unpicklable value) posts none.
+        built: list[tuple[SendItem, list[torch.Tensor], list[_Op]]] = []
         for item in items:
             if type(item) is SendItem:
                 ops: list[_Op] = []
-                keep = self._send_ops(item, ops)
-                works = [pg.send([t], peer, tag) for _, t, peer, tag in ops]
-                background(works, keep, None, (item.what, item.peer))
-                if item.on_done is not None:
-                    item.on_done()  # the data was copied into the message
+                built.append((item, self._send_ops(item, ops), ops))
+        background = self.waiter.background
+        for item, keep, ops in built:
+            works = [pg.send([t], peer, tag) for _, t, peer, tag in ops]
+            background(works, keep, None, (item.what, item.peer))
+            if item.on_done is not None:
+                item.on_done()  # the data was copied into the message
         handles: list[RecvHandle] = []
         received = self._received
         unresolved = self._unresolved

@@ -29,6 +29,19 @@ class Explodes(nn.Module):
         return self.lin(x)
 
 
+class Unsendable(nn.Module):
+    """Returns its activation with a lock beside it: a plain value that cannot be pickled."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> dict[str, Any]:
+        import threading
+
+        return {"x": self.lin(x), "lock": threading.Lock()}
+
+
 def _expect_error(fn: Any) -> tuple[str, float]:
     from pipetrain.errors import PipelineError
 
@@ -96,6 +109,13 @@ def _scenarios(rank: int, world: int) -> dict[str, tuple[str, float]]:
         PipelineScheduleRuntime(stage(group), broken, loss_fn=loss, timeout=60)
 
     out["invalid schedule"] = _expect_error(invalid)
+
+    # 6. A stage output that cannot be sent (a value pickle refuses) fails on the sending rank, and
+    #    the ranks waiting for it hear why.
+    group = dist.new_group(backend="gloo")
+    sched = ScheduleGPipe(stage(group, Unsendable() if rank == 0 else None), 4, loss_fn=loss, timeout=60)
+    args, kw = inputs()
+    out["unsendable output"] = _expect_error(lambda: sched.step(*args, **kw))
     return out
 
 
@@ -114,3 +134,5 @@ def test_every_rank_fails_fast_and_names_the_failure() -> None:
         assert elapsed < 30 and "rank 1" in msg and "stages [0]" in msg, (rank, msg)
         msg, _ = res["invalid schedule"]
         assert "cannot run" in msg and "B0" in msg and "needs" in msg, (rank, msg)
+        msg, elapsed = res["unsendable output"]
+        assert elapsed < 30 and "rank 0, step 0, action 0SEND_F0" in msg and "pickle" in msg, (rank, msg)
