@@ -209,7 +209,7 @@ def rebuild(layout: Layout, tensors: list[torch.Tensor]) -> Any:
 
 _ALIGN = 64  # tensors start on cache-line (and SIMD) boundaries, as the allocator gives
 _Op = tuple[bool, torch.Tensor, int, int]  # (is a send, tensor, group peer, tag)
-_NOTICES: list[Any] = []  # failure notices in flight: kept alive for the life of the process
+_NOTICES: list[Any] = []  # operations abandoned in flight after a failure: kept alive for the life of the process
 
 
 _HEADER_ONLY: tuple[list[tuple[int, int]], int] = ([], _HEADER * 8)
@@ -860,5 +860,12 @@ class Waiter:
             raise kind(f"{self.where()}: waiting for {job.what} failed{because}: {job.error}") from job.error
 
     def close(self) -> None:
-        """Stop the helper threads once they are free (a thread stuck on a dead peer stays parked)."""
+        """Stop the helper thread once it is free (a thread stuck on a dead peer stays parked).
+
+        Sends not yet waited for are kept alive for the life of the process: gloo keeps a posted
+        send's buffer only weakly, and once it is gone a receive the peer posts later leaves the
+        connection stuck on it, its I/O thread spinning (measured: 80 % of a core).
+        """
+        _NOTICES.extend(self._outstanding)
+        self._outstanding.clear()
         self._bg.put(None)

@@ -136,3 +136,39 @@ def test_every_rank_fails_fast_and_names_the_failure() -> None:
         assert "cannot run" in msg and "B0" in msg and "needs" in msg, (rank, msg)
         msg, elapsed = res["unsendable output"]
         assert elapsed < 30 and "rank 0, step 0, action 0SEND_F0" in msg and "pickle" in msg, (rank, msg)
+
+
+class Slow(nn.Module):
+    """A stage that takes its time: its peer fails while a send to it is still pending."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.3)
+        return self.lin(x)
+
+
+def _fails_with_a_send_pending(rank: int, world: int) -> tuple[str, float]:
+    from pipetrain import ScheduleGPipe
+    from pipetrain.stage import PipelineStage
+
+    torch.manual_seed(0)
+    module = Explodes(fail_on=2) if rank == 0 else Slow()
+    sched = ScheduleGPipe(PipelineStage(module, rank, world, "cpu"), 4, loss_fn=nn.functional.mse_loss, timeout=60)
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    result = _expect_error(lambda: sched.step(*((x,) if rank == 0 else ()), target=y if rank == 1 else None))
+    if rank == 0:
+        time.sleep(8)  # a failed rank lives on for a while (logging, cleanup): its connections stay open
+    return result
+
+
+def test_a_rank_failing_with_a_send_still_pending_does_not_stall_its_peer() -> None:
+    """Rank 0 fails at microbatch 2 while its send of microbatch 1 waits for the slow rank 1 to post
+    the receive. That send must stay alive: gloo would otherwise leave the connection stuck, and
+    rank 1 would wait its whole timeout for data and for the failure notice queued behind it."""
+    results = run_ranks(_fails_with_a_send_pending, 2, timeout=120)
+    msg, elapsed = results[1]
+    # without the fix rank 1 waits until rank 0's process ends (8 s here), its I/O thread spinning
+    assert elapsed < 5 and "rank 0, step 0, action 0F2: ValueError: bug in the module" in msg, (elapsed, msg)
