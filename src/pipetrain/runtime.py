@@ -6,8 +6,8 @@ program, posts sends and receives where the program says so (a run of consecutiv
 actions is one batch), waits for received data only right before a compute action uses it, and
 completes all sends by the end of the step. One exception, where operations match per peer and
 tag (gloo): receives from a peer that sends this rank gradients are posted ahead of their place,
-a few at a time, in program order (see ``_Program._early_receives`` and
-the runtime's ``recv_ahead``); that changes no matching and no wait.
+a few at a time, in program order (see ``_Program._early_receives`` and the runtime's
+``recv_ahead``); that changes no matching and no wait.
 
 ``_Program`` holds one rank's per-step state and is written as a generator that yields whenever
 it needs data that has not arrived. Over ``torch.distributed`` waiting blocks (so it never
@@ -96,7 +96,7 @@ class _DistComm:
 
     def __init__(self, transport: DistTransport, recv_ahead: int | None = 0) -> None:
         self.transport = transport
-        # Posting receives early changes no matching only where operations match per tag.
+        # Posting receives early leaves the matching alone only where it is per peer and tag (gloo).
         self.ahead = 0 if transport.single_tag else _recv_ahead(recv_ahead)
 
     def post(self, items: list[SendItem | RecvItem]) -> list[RecvHandle]:
