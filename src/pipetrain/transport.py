@@ -95,8 +95,8 @@ class Layout:
     slots: tuple[list[tuple[int, int]], int] | None = field(default=None, init=False, compare=False, repr=False)
     # A one-tensor message travels in a buffer of the tensor's own dtype (the header is 64 bytes,
     # a whole number of elements): then the tensor is one strided view of it. ``(dtype, buffer
-    # elements, shape, strides, element offset, requires_grad)``; None for other messages.
-    single: tuple[torch.dtype, int, tuple[int, ...], tuple[int, ...], int, bool] | None = field(
+    # elements, shape, strides, element offset)``; None for other messages.
+    single: tuple[torch.dtype, int, tuple[int, ...], tuple[int, ...], int] | None = field(
         default=None, init=False, compare=False, repr=False
     )
 
@@ -106,7 +106,7 @@ class Layout:
             if kind is torch.Tensor or (kind in (list, tuple) and self.spec.num_children == len(self.tensors)):
                 object.__setattr__(self, "simple", kind)
             if kind is torch.Tensor:
-                dtype, shape, rg = self.tensors[0]
+                dtype, shape, _ = self.tensors[0]
                 size = _itemsize(dtype)
                 if (_HEADER * 8) % size == 0:
                     strides, step = [], 1
@@ -114,7 +114,7 @@ class Layout:
                         strides.append(step)
                         step *= max(d, 1)
                     total = _compute_slots(self)[1]
-                    single = (dtype, total // size, tuple(shape), tuple(reversed(strides)), _HEADER * 8 // size, rg)
+                    single = (dtype, total // size, tuple(shape), tuple(reversed(strides)), _HEADER * 8 // size)
                     object.__setattr__(self, "single", single)
 
     def encode(self) -> torch.Tensor:
@@ -430,43 +430,11 @@ class DistTransport:
     def post(self, items: list[SendItem | RecvItem]) -> list[RecvHandle]:
         """Post the sends and receives of one run of consecutive SEND/RECV actions as one batch.
 
-        In single-tag mode the batch is cut before a second receive from the same peer, and the
-        headers of each part are read right after it is posted (see the module docstring).
+        Sends go first. Every message is built before any is posted, so one that cannot be built
+        (say, an unpicklable value) posts nothing. In single-tag mode the batch is cut before a
+        second receive from the same peer, and the headers of each part are read right after it
+        is posted (see the module docstring).
         """
-        pg = self._pg
-        if pg is None or self.single_tag:
-            return self._post_batch(items)
-        # gloo with tags: operations posted directly, sends first. Every message is built before
-        # any is posted, so a message that cannot be built (say, an unpicklable value) posts none.
-        built: list[tuple[SendItem, list[torch.Tensor], list[_Op]]] = []
-        for item in items:
-            if type(item) is SendItem:
-                ops: list[_Op] = []
-                built.append((item, self._send_ops(item, ops), ops))
-        background = self.waiter.background
-        for item, keep, ops in built:
-            works = [pg.send([t], peer, tag) for _, t, peer, tag in ops]
-            background(works, keep, None, (item.what, item.peer))
-            if item.on_done is not None:
-                item.on_done()  # the data was copied into the message
-        handles: list[RecvHandle] = []
-        received = self._received
-        unresolved = self._unresolved
-        device = self.device
-        for item in items:
-            if type(item) is RecvItem:
-                cached = received.get(item.key)
-                flat = _recv_buffer(cached, device)
-                peer = item.peer
-                handle = RecvHandle(item.key, peer, item.what, flat, [pg.recv([flat], peer, _TAG_STEADY)], cached)
-                queue = unresolved.get(peer)
-                if queue is None:
-                    queue = unresolved[peer] = deque()
-                queue.append(handle)
-                handles.append(handle)
-        return handles
-
-    def _post_batch(self, items: list[SendItem | RecvItem]) -> list[RecvHandle]:
         ops: list[_Op] = []
         sends: list[tuple[int, int, SendItem, list[torch.Tensor]]] = []
         for item in items:
@@ -596,13 +564,7 @@ class DistTransport:
             self._received[handle.key] = layout
         flat = handle.flat
         assert flat is not None
-        single = layout.single
-        if single is not None and flat.dtype is single[0]:
-            value = flat.as_strided(single[2], single[3], single[4])
-            if single[5] and value.is_floating_point():
-                value.requires_grad_(True)
-        else:
-            value = rebuild(layout, _unpack(flat, layout))
+        value = rebuild(layout, _unpack(flat, layout))
         handle.flat = handle.encoded = handle.layout = handle.cached = None
         handle.resolved = True
         return value

@@ -174,7 +174,7 @@ def _early(name: str, ranks: int, v: int) -> tuple[Any, dict[int, list[Any]]]:
 
     schedule = build_schedule(name, ranks, 8, v).lower()
     early = {
-        r: [a for _, ahead in _comm_parts(schedule.actions[r], schedule.stage_to_rank, True) for a in ahead]
+        r: [a for _, ahead in _comm_parts(schedule.actions[r], schedule.stage_to_rank) for a in ahead]
         for r in range(ranks)
     }
     return schedule, early
