@@ -50,7 +50,8 @@ def main() -> None:
 
     # 3. Same seed on every rank → the same model everywhere; cut it into balanced stages.
     torch.manual_seed(0)
-    cfg = GPTConfig()
+    # Embedding and head are a layer each: add blocks until every stage gets at least one layer.
+    cfg = GPTConfig(n_layers=max(GPTConfig().n_layers, num_stages - 2))
     model = GPT(cfg)
     parts = model.split(num_stages)  # by parameter count; pipetrain.split also cuts by measured time
     stages = [PipelineStage(parts[s].to(device), s, num_stages, device) for s in mine]

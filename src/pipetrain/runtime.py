@@ -18,6 +18,7 @@ process instead.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import time
 from collections.abc import Callable, Generator, Sequence
@@ -44,7 +45,7 @@ from pipetrain.transport import (
     Waiter,
 )
 
-__all__ = ["PipelineScheduleRuntime", "prepare_schedule"]
+__all__ = ["PipelineScheduleRuntime", "announce_failure", "prepare_schedule"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 _K = ActionKind
@@ -609,6 +610,95 @@ def prepare_schedule(schedule: Schedule, **lower_options: Any) -> Schedule:
         raise PipelineError(f"the schedule {schedule.name or ''} cannot run: {err}".replace("  ", " ")) from err
 
 
+# ------------------------------------------------------------------- failures and agreement
+def _failure_channel(group: dist.ProcessGroup | None, rank: int) -> FailureChannel | None:
+    """The store where ranks of ``group`` leave the story of a failure (None without a default store)."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError):
+        return None
+    group_obj = group if group is not None else dist.group.WORLD
+    return FailureChannel(store, str(getattr(group_obj, "group_name", "world")), rank)
+
+
+def _dead_group(story: str) -> str:
+    return (
+        f"the pipeline's process group already failed ({story}). Messages of the failed step may still be in "
+        "flight on its connections, so it is not reused: build the stages on a new group (dist.new_group()) "
+        "or restart the job"
+    )
+
+
+def announce_failure(group: dist.ProcessGroup | None, message: str) -> None:
+    """Leave ``message`` as the group's failure story: for a rank that fails before its runtime
+    exists (a schedule class refusing its arguments). The other ranks read it at their first step,
+    while they wait for the ranks they exchange messages with (see ``_agree``)."""
+    if dist.is_available() and dist.is_initialized():
+        channel = _failure_channel(group, dist.get_rank(group))
+        if channel is not None:
+            channel.report(message)
+
+
+_AGREEMENT: dict[str, list[int]] = {}  # per group namespace: how many first steps this process ran
+
+
+def _neighbours(schedule: Schedule, rank: int) -> list[int]:
+    """The ranks that exchange messages with ``rank`` under ``schedule`` (sorted)."""
+    where = schedule.stage_to_rank
+    out = set()
+    for s, r in where.items():
+        if r == rank:
+            out.update(where[t] for t in (s - 1, s + 1) if t in where)
+    out.discard(rank)
+    return sorted(out)
+
+
+def _summary(schedule: Schedule) -> str:
+    return (
+        f"{schedule.name or 'a custom schedule'} with {schedule.num_ranks} ranks, {schedule.num_stages} stages "
+        f"and {schedule.num_microbatches} microbatches"
+    )
+
+
+_HASHES: dict[int, tuple[Schedule, dict[int, str]]] = {}
+
+
+def _program_hash(schedule: Schedule, rank: int) -> str:
+    """A digest of ``rank``'s program in ``schedule`` (cached per schedule)."""
+    hit = _HASHES.get(id(schedule))
+    if hit is None or hit[0] is not schedule:
+        if len(_HASHES) > 64:
+            _HASHES.clear()
+        hit = _HASHES[id(schedule)] = (schedule, {})
+    digest = hit[1].get(rank)
+    if digest is None:
+        text = ",".join("" if a is None else str(a) for a in schedule.actions[rank])
+        digest = hit[1][rank] = hashlib.sha1(text.encode()).hexdigest()[:16]
+    return digest
+
+
+def _wait_keys(
+    failure: FailureChannel, keys: list[str], timeout: float, poll: float, where: Callable[[], str]
+) -> list[str]:
+    """The values of ``keys`` once all are in the store; raises if a rank failed or after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    store = failure.store
+    while keys and not store.check(keys):
+        story = failure.check()
+        if story is not None:
+            raise RemoteFailureError(f"{where()}: stopped before the first step because {story}")
+        if time.monotonic() > deadline:
+            raise PipelineError(
+                f"{where()}: timed out after {timeout:g} s waiting for ranks to start the schedule "
+                "(no rank reported a failure)"
+            )
+        try:
+            store.wait(keys, timedelta(seconds=poll))
+        except Exception:  # not there yet: look for a failure story, then wait again
+            pass
+    return [bytes(store.get(k)).decode() for k in keys]
+
+
 # ------------------------------------------------------------------- the runtime
 class PipelineScheduleRuntime:
     """Run any :class:`~pipetrain.plan.Schedule` on this rank's ``stages`` over ``torch.distributed``.
@@ -660,7 +750,10 @@ class PipelineScheduleRuntime:
             fsdp = any(_dp_kind(st.submodule) == "fsdp" for st in self._dp_stages)
             lower_options = {"grad_reduce": True, "fsdp": fsdp}
         self._lower_options = dict(lower_options or {})
-        self._failure = self._failure_channel()
+        self._failure = _failure_channel(self.group, self.rank)
+        story = None if self._failure is None else self._failure.check()
+        if story is not None:
+            raise PipelineError(f"rank {self.rank}: {_dead_group(story)}")
         try:
             self.schedule = prepare_schedule(schedule, **self._lower_options)
         except PipelineError as err:  # every rank refuses the same schedule, before any communication
@@ -697,6 +790,8 @@ class PipelineScheduleRuntime:
         )
         self._step_count = 0
         self._last_events: tuple[list[tuple[Action, int, int]], int, Schedule] | None = None
+        self._failed: str | None = None  # the story of this runtime's failure: it cannot run again
+        self._agreed: set[int] = set()  # ids of the schedules the ranks have been checked to agree on
 
     # -------------------------------------------------------------- set-up
     def _rank_and_world(self) -> tuple[int, int]:
@@ -706,15 +801,6 @@ class PipelineScheduleRuntime:
                 "(torchrun or dist.init_process_group); use LocalPipeline to run all stages in one process"
             )
         return dist.get_rank(self.group), dist.get_world_size(self.group)
-
-    def _failure_channel(self) -> FailureChannel | None:
-        try:
-            store = dist.distributed_c10d._get_default_store()
-        except (RuntimeError, ValueError):
-            return None
-        group = self.group if self.group is not None else dist.group.WORLD
-        name = getattr(group, "group_name", "world")
-        return FailureChannel(store, f"{name}", self.rank)
 
     def _new_waiter(self) -> Waiter:
         return Waiter(self._failure, self.timeout, self.poll_interval, self._where)
@@ -746,6 +832,37 @@ class PipelineScheduleRuntime:
                     f"rank {self.rank}: stage {st.stage_index} was built with num_stages={st.num_stages}, "
                     f"but the schedule has {schedule.num_stages} stages"
                 )
+
+    def _agree(self, schedule: Schedule) -> None:
+        """Check, before the first step of ``schedule``, that this rank's neighbours run the same one.
+
+        Ranks that built different schedules (say, different ``n_microbatches``) would post
+        operations that do not match: gloo then aborts the process on a size mismatch, or a rank
+        waits forever. Each rank leaves a summary and a hash of its program in the store; each
+        checks its neighbours' against its own copy of the schedule. Once per schedule.
+        """
+        failure = self._failure
+        if failure is not None:
+            peers = _neighbours(schedule, self.rank)
+            key = _AGREEMENT.setdefault(failure.namespace, [0])
+            key[0] += 1  # the n-th first step on a group is collective, so every rank counts alike
+            prefix = f"pipetrain/{failure.namespace}/plan/{key[0]}/"
+            mine = _summary(schedule)
+            failure.store.set(f"{prefix}{self.rank}", f"{mine}#{_program_hash(schedule, self.rank)}")
+            theirs = _wait_keys(failure, [f"{prefix}{p}" for p in peers], self.timeout, self.poll_interval, self._where)
+            for peer, value in zip(peers, theirs, strict=True):
+                summary, _, digest = value.rpartition("#")
+                if summary != mine:
+                    raise PipelineError(
+                        f"{self._where()}: the ranks built different schedules: this rank runs {mine}, "
+                        f"rank {peer} runs {summary}"
+                    )
+                if digest != _program_hash(schedule, peer):
+                    raise PipelineError(
+                        f"{self._where()}: the ranks built different schedules: rank {peer}'s program differs from "
+                        f"the one this rank's schedule {mine} gives it"
+                    )
+        self._agreed.add(id(schedule))
 
     @property
     def has_first_stage(self) -> bool:
@@ -790,6 +907,8 @@ class PipelineScheduleRuntime:
         *,
         train: bool,
     ) -> Any:
+        if self._failed is not None:
+            raise PipelineError(f"rank {self.rank}: this schedule cannot run again: {_dead_group(self._failed)}")
         step_index = self._step_count
         self._step_count += 1
         program = self._program
@@ -800,6 +919,8 @@ class PipelineScheduleRuntime:
         program.events = []
         n = self.n_microbatches
         try:
+            if id(schedule) not in self._agreed:
+                self._agree(schedule)
             inputs = self._split_inputs(args, kwargs)
             targets = self._split_target(target, train)
             gen = program.run(
@@ -837,7 +958,7 @@ class PipelineScheduleRuntime:
         if not self.has_first_stage:
             return None
         if not args and not kwargs:
-            raise PipelineError(f"rank {self.rank}: holds stage 0 but step() was given no inputs")
+            raise PipelineError(f"{self._program.where()}: holds stage 0 but step() was given no inputs")
         a, k = split_args_kwargs_into_chunks(
             args, kwargs, self.n_microbatches, self._args_chunk_spec, self._kwargs_chunk_spec
         )
@@ -848,8 +969,8 @@ class PipelineScheduleRuntime:
             return None
         if target is None:
             raise PipelineError(
-                f"rank {self.rank}: holds the last stage ({self.schedule.num_stages - 1}) and loss_fn is set, "
-                "but step() got no target"
+                f"{self._program.where()}: holds the last stage ({self.schedule.num_stages - 1}) and loss_fn is "
+                "set, but step() got no target"
             )
         return split_into_chunks(target, self.n_microbatches, None, "target")
 
@@ -870,6 +991,9 @@ class PipelineScheduleRuntime:
             message = str(exc) if str(exc).startswith("rank ") else f"{where}: {exc}"
         else:
             message = f"{where}: {type(exc).__name__}: {exc}"
+            if program.action is not None and program.action.kind.is_compute:
+                message += self._transport.input_note(program.action, self.schedule.stage_to_rank, self.rank)
+        self._failed = message
         if not remote:
             self._report(message if message.startswith("rank ") else f"rank {self.rank}: {message}")
         # Wake whoever waits for a message of ours (after the report, so they can read it).

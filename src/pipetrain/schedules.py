@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from pipetrain.errors import PipelineError
 from pipetrain.plan import ScheduleError, build_schedule
-from pipetrain.runtime import LossFn, PipelineScheduleRuntime
+from pipetrain.runtime import LossFn, PipelineScheduleRuntime, announce_failure
 from pipetrain.stage import PipelineStage
 
 __all__ = [
@@ -41,6 +41,7 @@ class PipelineScheduleMulti(PipelineScheduleRuntime):
     """A named schedule with any number of stages per rank (a list of this rank's stages)."""
 
     schedule_name: ClassVar[str] = ""
+    one_stage_per_rank: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -53,21 +54,27 @@ class PipelineScheduleMulti(PipelineScheduleRuntime):
         scale_grads: bool = True,
         **options: Any,
     ) -> None:
+        name = type(self).__name__
         stage_list = [stages] if isinstance(stages, PipelineStage) else list(stages)
         if not stage_list:
-            raise PipelineError(f"{type(self).__name__} needs at least one PipelineStage")
+            raise PipelineError(f"{name} needs at least one PipelineStage")
         if not self.schedule_name:
-            raise PipelineError(
-                f"{type(self).__name__} names no schedule; use a concrete class or PipelineScheduleRuntime"
-            )
+            raise PipelineError(f"{name} names no schedule; use a concrete class or PipelineScheduleRuntime")
         group = options.get("group", stage_list[0].group)
         if not dist.is_available() or not dist.is_initialized():
-            raise PipelineError(f"{type(self).__name__} needs an initialised torch.distributed process group")
-        num_ranks = dist.get_world_size(group)
+            raise PipelineError(f"{name} needs an initialised torch.distributed process group")
+        rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
         try:
-            schedule = build_schedule(self.schedule_name, num_ranks, n_microbatches, len(stage_list))
-        except ScheduleError as err:
-            raise PipelineError(f"{type(self).__name__}: {err}") from err
+            if self.one_stage_per_rank and len(stage_list) != 1:
+                raise PipelineError(f"rank {rank}: {name} runs one stage per rank, got {len(stage_list)}")
+            try:
+                schedule = build_schedule(self.schedule_name, num_ranks, n_microbatches, len(stage_list))
+            except ScheduleError as err:
+                raise PipelineError(f"rank {rank}: {name}: {err}") from err
+        except PipelineError as err:
+            # The other ranks learn of it at their first step instead of waiting for this rank.
+            announce_failure(group, f"{err} (raised while building the schedule)")
+            raise
         super().__init__(
             stage_list,
             schedule,
@@ -83,11 +90,10 @@ class PipelineScheduleMulti(PipelineScheduleRuntime):
 class PipelineScheduleSingle(PipelineScheduleMulti):
     """A named schedule with exactly one stage per rank."""
 
+    one_stage_per_rank = True
+
     def __init__(self, stage: PipelineStage | Sequence[PipelineStage], n_microbatches: int, *a: Any, **kw: Any) -> None:
-        stages = [stage] if isinstance(stage, PipelineStage) else list(stage)
-        if len(stages) != 1:
-            raise PipelineError(f"{type(self).__name__} runs one stage per rank, got {len(stages)}")
-        super().__init__(stages, n_microbatches, *a, **kw)
+        super().__init__(stage, n_microbatches, *a, **kw)  # torch names the first argument `stage` here
 
 
 class ScheduleGPipe(PipelineScheduleSingle):

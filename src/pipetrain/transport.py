@@ -405,6 +405,7 @@ class DistTransport:
         self._sent: dict[Key, Layout] = {}
         self._sent_sig: dict[Key, Any] = {}  # _signature of the last plain message sent per key
         self._received: dict[Key, Layout] = {}
+        self._before: dict[Key, Layout] = {}  # the layout a key had before its last change (for errors)
         self._unresolved: dict[int, deque[RecvHandle]] = {}
         group_obj = group if group is not None else dist.group.WORLD
         backend = str(dist.get_backend(group_obj))
@@ -417,15 +418,29 @@ class DistTransport:
         """Post operations: straight on a gloo group (no Python wrappers), else as one batch."""
         if not ops:
             return []
-        if self._pg is not None:
-            pg = self._pg
-            return [pg.send([t], peer, tag) if is_send else pg.recv([t], peer, tag) for is_send, t, peer, tag in ops]
-        return dist.batch_isend_irecv(
-            [
-                dist.P2POp(dist.isend if is_send else dist.irecv, t, group=self.group, tag=tag, group_peer=peer)
-                for is_send, t, peer, tag in ops
-            ]
-        )
+        try:
+            if self._pg is not None:
+                pg = self._pg
+                return [
+                    pg.send([t], peer, tag) if is_send else pg.recv([t], peer, tag) for is_send, t, peer, tag in ops
+                ]
+            return dist.batch_isend_irecv(
+                [
+                    dist.P2POp(dist.isend if is_send else dist.irecv, t, group=self.group, tag=tag, group_peer=peer)
+                    for is_send, t, peer, tag in ops
+                ]
+            )
+        except RuntimeError as err:  # a peer's connection closed: tell why if that rank left its story
+            story = None if self.failure is None else self.failure.check()
+            peers = sorted({peer for _, _, peer, _ in ops})
+            with_ = f"with rank{'s' if len(peers) > 1 else ''} {', '.join(map(str, peers))}"
+            if story is not None:
+                raise RemoteFailureError(
+                    f"{self.waiter.where()}: exchanging messages {with_} failed because {story}"
+                ) from err
+            raise PipelineError(
+                f"{self.waiter.where()}: exchanging messages {with_} failed (no rank reported a failure): {err}"
+            ) from err
 
     def post(self, items: list[SendItem | RecvItem]) -> list[RecvHandle]:
         """Post the sends and receives of one run of consecutive SEND/RECV actions as one batch.
@@ -561,6 +576,9 @@ class DistTransport:
         if layout is None:
             assert handle.encoded is not None
             layout = handle.layout = Layout.decode(handle.encoded)
+            old = self._received.get(handle.key)
+            if old is not None:
+                self._before[handle.key] = old
             self._received[handle.key] = layout
         flat = handle.flat
         assert flat is not None
@@ -568,6 +586,40 @@ class DistTransport:
         handle.flat = handle.encoded = handle.layout = handle.cached = None
         handle.resolved = True
         return value
+
+    def input_note(self, action: Any, stage_to_rank: dict[int, int], rank: int) -> str:
+        """For an error in ``action``'s compute: how its received input differs from what came before.
+
+        Shapes may change between steps and microbatches; where the stage then fails, the change
+        is the likely cause, so the error names both stages and both shapes. "" if nothing changed.
+        """
+        notes = []
+        for part in action.parts:
+            s, m, kind = part.stage, part.microbatch, part.kind.value
+            if kind == "F":
+                key, src, what = ("F", s - 1, m), s - 1, f"the output of stage {s - 1}"
+            elif kind in ("B", "I"):
+                key, src, what = ("B", s + 1, m), s + 1, f"the input gradient from stage {s + 1}"
+            else:
+                continue
+            now = self._received.get(key)
+            if now is None or stage_to_rank.get(src) == rank:
+                continue
+            before = self._before.get(key)
+            label = f"microbatch {m} of an earlier step"
+            if before is None:  # first time this microbatch came: compare with the others from that stage
+                others = [(k[2], lay) for k, lay in self._received.items() if k[:2] == key[:2] and k != key]
+                differing = [(mb, lay) for mb, lay in others if lay.tensors != now.tensors]
+                if not differing:
+                    continue
+                mb, before = max(differing, key=lambda item: item[0])
+                label = f"microbatch {mb}"
+            if before.tensors == now.tensors:
+                continue
+            notes.append(
+                f"stage {s} received {what} for microbatch {m} as {_specs(now)}, but {_specs(before)} for {label}"
+            )
+        return f" (shapes changed: {'; '.join(notes)})" if notes else ""
 
     @staticmethod
     def _flag(handle: RecvHandle) -> int:
@@ -625,6 +677,7 @@ class DistTransport:
         self._sent.clear()
         self._sent_sig.clear()
         self._received.clear()
+        self._before.clear()
         self._unresolved.clear()
 
 
@@ -679,6 +732,7 @@ class FailureChannel:
     def __init__(self, store: Any, namespace: str, rank: int) -> None:
         self.store = store
         self.rank = rank
+        self.namespace = namespace
         self._count = f"pipetrain/{namespace}/failures"
         self._message = f"pipetrain/{namespace}/failure"
 
@@ -697,6 +751,13 @@ class FailureChannel:
         except Exception:
             return None
         return None
+
+
+def _specs(layout: Layout) -> str:
+    return (
+        ", ".join(f"{str(dtype).replace('torch.', '')} {list(shape)}" for dtype, shape, _ in layout.tensors)
+        or "no tensors"
+    )
 
 
 def _describe(what: Any) -> str:
@@ -762,6 +823,7 @@ class Waiter:
     def wait(self, works: list[Any], what: Any) -> None:
         """Wait for ``works``; ``what`` (a string, or a handle or item :func:`_describe` names) is for errors."""
         limit = self._limit
+        start = time.monotonic()
         for work in works:
             try:
                 work.wait(limit)
@@ -770,8 +832,12 @@ class Waiter:
                 story = None if self.failure is None else self.failure.check()
                 if story is not None:
                     raise RemoteFailureError(f"{self.where()}: waiting for {what} failed because {story}") from err
+                waited = time.monotonic() - start
+                how = (
+                    f"timed out after {self.timeout:g} s" if waited >= self.timeout else f"failed after {waited:.2g} s"
+                )
                 raise PipelineError(
-                    f"{self.where()}: waiting for {what} failed (timeout {self.timeout:g} s; no rank reported a failure): {err}"
+                    f"{self.where()}: waiting for {what} {how} (no rank reported a failure): {err}"
                 ) from err
 
     def background(self, works: list[Any], keep: Any, on_done: Callable[[], None] | None, what: Any) -> None:

@@ -172,3 +172,103 @@ def test_a_rank_failing_with_a_send_still_pending_does_not_stall_its_peer() -> N
     msg, elapsed = results[1]
     # without the fix rank 1 waits until rank 0's process ends (8 s here), its I/O thread spinning
     assert elapsed < 5 and "rank 0, step 0, action 0F2: ValueError: bug in the module" in msg, (elapsed, msg)
+
+
+class Widens(nn.Module):
+    """Stage 0 with a bug: from call ``at`` on, its output is wider than stage 1 expects."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.calls = 0
+        self.at = at
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        out = self.lin(x)
+        return torch.cat([out, out[:, :1]], dim=1) if self.calls > self.at else out
+
+
+def _disagreements(rank: int, world: int) -> dict[str, tuple[str, float]]:
+    import torch.distributed as dist
+
+    from pipetrain import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleZBVZeroBubble
+
+    out: dict[str, tuple[str, float]] = {}
+    loss = nn.functional.mse_loss
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    args, kw = ((x,) if rank == 0 else ()), {"target": y if rank == world - 1 else None}
+
+    def stage(group: Any, index: int, num_stages: int = world, module: nn.Module | None = None) -> PipelineStage:
+        torch.manual_seed(0)
+        return PipelineStage(module or nn.Linear(4, 4), index, num_stages, "cpu", group=group)
+
+    # 1. A schedule class refuses its arguments on rank 1 only (ZBV wants 2 stages per rank): the
+    #    other ranks stop at their first step instead of waiting their timeout for rank 1.
+    group = dist.new_group(backend="gloo")
+
+    def refused() -> None:
+        mine = [rank, 2 * world - 1 - rank]
+        stages = [stage(group, s, 2 * world) for s in (mine[:1] if rank == 1 else mine)]
+        sched = ScheduleZBVZeroBubble(stages, 4, loss_fn=loss, timeout=60)
+        sched.step(*args, target=y if rank == 0 else None)  # rank 0 holds the last stage in a V
+
+    out["class refuses"] = _expect_error(refused)
+
+    # 2. Ranks that built different schedules (4 against 8 microbatches) are stopped before any
+    #    message is exchanged: gloo would abort the process on the size mismatch.
+    group = dist.new_group(backend="gloo")
+
+    def mismatch() -> None:
+        sched = Schedule1F1B(stage(group, rank), 8 if rank == 1 else 4, loss_fn=loss, timeout=60)
+        target = torch.randn(16 if rank == 1 else 8, 4) if rank == world - 1 else None
+        sched.step(*args, target=target)
+
+    out["different microbatches"] = _expect_error(mismatch)
+
+    # 3. A stage output that changes shape mid-step breaks the next stage: both shapes are named.
+    group = dist.new_group(backend="gloo")
+    sched = ScheduleGPipe(stage(group, rank, module=Widens(at=2) if rank == 0 else None), 4, loss_fn=loss, timeout=60)
+    out["changed shape"] = _expect_error(lambda: sched.step(*args, **kw))
+
+    # 4. After a failure neither the schedule nor the group runs again, and the error says why.
+    out["step again"] = _expect_error(lambda: sched.step(*args, **kw))
+    out["new schedule, same group"] = _expect_error(lambda: ScheduleGPipe(stage(group, rank), 4, loss_fn=loss))
+    return out
+
+
+def test_disagreeing_ranks_shape_changes_and_dead_groups_are_named() -> None:
+    results = run_ranks(_disagreements, 2, timeout=240)
+    for rank, res in enumerate(results):
+        msg, elapsed = res["class refuses"]
+        assert elapsed < 10 and "rank 1: ScheduleZBVZeroBubble" in msg and "2 stages per rank" in msg, (rank, msg)
+        msg, elapsed = res["different microbatches"]
+        assert elapsed < 10 and "different schedules" in msg, (rank, msg)
+        assert "4 microbatches" in msg and "8 microbatches" in msg, (rank, msg)
+        msg, _ = res["changed shape"]
+        assert "rank 1, step 0, action 1F2: RuntimeError" in msg, (rank, msg)
+        assert "stage 1 received the output of stage 0 for microbatch 2 as float32 [2, 5]" in msg, (rank, msg)
+        assert "float32 [2, 4] for microbatch 1" in msg, (rank, msg)
+        msg, elapsed = res["step again"]
+        assert elapsed < 1 and "cannot run again" in msg and "1F2" in msg and "dist.new_group" in msg, (rank, msg)
+        msg, elapsed = res["new schedule, same group"]
+        assert elapsed < 1 and "already failed" in msg and "1F2" in msg, (rank, msg)
+
+
+def _peer_exits(rank: int, world: int) -> tuple[str, float]:
+    from pipetrain import Schedule1F1B
+    from pipetrain.stage import PipelineStage
+
+    torch.manual_seed(0)
+    module = Explodes(fail_on=0) if rank == 1 else Slow()
+    sched = Schedule1F1B(PipelineStage(module, rank, world, "cpu"), 4, loss_fn=nn.functional.mse_loss, timeout=60)
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    # rank 1 fails at once and its process ends (the harness exits right after it returns); rank 0,
+    # still in its slow forward, then finds the connection closed when it posts its send
+    return _expect_error(lambda: sched.step(*((x,) if rank == 0 else ()), target=y if rank == 1 else None))
+
+
+def test_a_closed_connection_is_explained_by_the_failure_that_closed_it() -> None:
+    msg, elapsed = run_ranks(_peer_exits, 2, timeout=120)[0]
+    assert elapsed < 10, (elapsed, msg)
+    assert "because rank 1, step 0, action 1F0: ValueError: bug in the module" in msg, msg
