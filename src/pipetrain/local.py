@@ -137,11 +137,14 @@ class LocalPipeline:
         target: Any = None,
         losses: list[Any] | None = None,
         return_outputs: bool = True,
+        loss_kwargs: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> Any:
         """One training step over all stages (forward only without ``loss_fn``)."""
         if self.loss_fn is None:
-            return self._run(self._forward_schedule(), args, kwargs, None, None, train=False)
+            return self._run(
+                self._forward_schedule(), args, kwargs, None, None, train=False, return_outputs=return_outputs
+            )
         if target is None:
             raise PipelineError("LocalPipeline.step: loss_fn is set but no target was given")
         forward_only = all(
@@ -150,13 +153,33 @@ class LocalPipeline:
             if a is not None and a.kind.is_compute
             for p in a.parts
         )
+        if not forward_only and not torch.is_grad_enabled():
+            raise PipelineError(
+                "LocalPipeline.step trains and needs autograd, but it was called under torch.no_grad(); "
+                "call eval() to run forward only"
+            )
         return self._run(
-            self.schedule, args, kwargs, target, losses, train=not forward_only, return_outputs=return_outputs
+            self.schedule,
+            args,
+            kwargs,
+            target,
+            losses,
+            train=not forward_only,
+            return_outputs=return_outputs,
+            loss_kwargs=loss_kwargs,
         )
 
-    def eval(self, *args: Any, **kwargs: Any) -> Any:
-        """Forward only, without autograd; the merged output of the last stage."""
-        return self._run(self._forward_schedule(), args, kwargs, None, None, train=False)
+    def eval(
+        self,
+        *args: Any,
+        target: Any = None,
+        losses: list[Any] | None = None,
+        loss_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Forward only, without autograd; the merged output of the last stage (and with a
+        ``target`` and a ``loss_fn``, each microbatch's loss in ``losses``)."""
+        return self._run(self._forward_schedule(), args, kwargs, target, losses, train=False, loss_kwargs=loss_kwargs)
 
     def _forward_schedule(self) -> Schedule:
         if self._eval_schedule is None:
@@ -173,6 +196,7 @@ class LocalPipeline:
         *,
         train: bool,
         return_outputs: bool = True,
+        loss_kwargs: dict[str, Any] | None = None,
     ) -> Any:
         step_index = self._step_count
         self._step_count += 1
@@ -199,7 +223,8 @@ class LocalPipeline:
                 loss_fn=self.loss_fn if targets is not None else None,
                 loss_scale=1.0 / n if self.scale_grads else 1.0,
                 train=train,
-                keep_outputs=return_outputs or not train,
+                keep_outputs=return_outputs,
+                loss_kwargs=loss_kwargs,
             )
         t_start = time.perf_counter_ns()
         try:
@@ -209,7 +234,7 @@ class LocalPipeline:
                 losses.clear()
                 losses.extend(last.losses[m] for m in sorted(last.losses))
             result = None
-            if last.outputs:
+            if return_outputs and last.outputs:
                 result = merge_chunks([last.outputs[m] for m in sorted(last.outputs)], self._output_merge_spec)
         finally:
             self.last_timeline = self._timeline(programs, schedule, step_index, t_start)

@@ -252,6 +252,7 @@ class _Program:
         loss_scale: float,
         train: bool,
         keep_outputs: bool,
+        loss_kwargs: dict[str, Any] | None = None,
     ) -> Generator[None, None, None]:
         """Execute ``program``; yields while waiting for data (in-process mode only)."""
         self._reset()
@@ -260,6 +261,7 @@ class _Program:
         self.inputs = dict(enumerate(inputs)) if inputs is not None else {}
         self.targets = targets
         self.loss_fn = loss_fn
+        self.loss_kwargs = loss_kwargs or {}
         self.loss_scale = loss_scale
         self.train = train
         self.keep_outputs = keep_outputs
@@ -448,7 +450,12 @@ class _Program:
         if s == self.num_stages - 1:
             if self.loss_fn is not None:
                 assert self.targets is not None
-                loss = self.loss_fn(output, self.targets[m])
+                target = self.targets[m]
+                loss = (
+                    self.loss_fn(output, target, **self.loss_kwargs)
+                    if self.loss_kwargs
+                    else self.loss_fn(output, target)
+                )
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                     raise PipelineError(f"{self.where()}: loss_fn must return a scalar tensor, got {loss!r}")
                 self.losses[m] = loss
@@ -729,10 +736,13 @@ class PipelineScheduleRuntime:
         group: dist.ProcessGroup | None = None,
         lower_options: dict[str, Any] | None = None,
         recv_ahead: int | None = None,
+        backward_requires_autograd: bool = True,
     ) -> None:
         self._stage_list = [stages] if isinstance(stages, PipelineStage) else list(stages)
         if not self._stage_list:
             raise PipelineError("PipelineScheduleRuntime needs at least one PipelineStage")
+        # As in torch: False lets step() run under torch.no_grad() (a backward that needs no autograd).
+        self.backward_requires_autograd = backward_requires_autograd
         self._loss_fn = loss_fn
         self.scale_grads = scale_grads
         self._args_chunk_spec = args_chunk_spec
@@ -878,17 +888,42 @@ class PipelineScheduleRuntime:
         target: Any = None,
         losses: list[Any] | None = None,
         return_outputs: bool = True,
+        loss_kwargs: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> Any:
-        """One training step (forward only when the runtime has no ``loss_fn``)."""
+        """One training step (forward only when the runtime has no ``loss_fn``).
+
+        ``loss_kwargs`` go to every call of ``loss_fn``, as in torch.
+        """
         if self._loss_fn is None:
             return self._run(self._forward_schedule(), args, kwargs, None, None, return_outputs, train=False)
+        train = not self._forward_only
+        if train and self.backward_requires_autograd and not torch.is_grad_enabled():
+            raise PipelineError(
+                f"rank {self.rank}: step() trains and needs autograd, but it was called under torch.no_grad(); "
+                "call eval() to run forward only"
+            )
         # A forward-only schedule with a loss_fn computes losses (e.g. validation) without autograd.
-        return self._run(self.schedule, args, kwargs, target, losses, return_outputs, train=not self._forward_only)
+        return self._run(
+            self.schedule, args, kwargs, target, losses, return_outputs, train=train, loss_kwargs=loss_kwargs
+        )
 
-    def eval(self, *args: Any, **kwargs: Any) -> Any:
-        """Forward only, under ``torch.no_grad()``, on any schedule; the merged output on the last rank."""
-        return self._run(self._forward_schedule(), args, kwargs, None, None, True, train=False)
+    def eval(
+        self,
+        *args: Any,
+        target: Any = None,
+        losses: list[Any] | None = None,
+        loss_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Forward only, without autograd, on any schedule; the merged output on the last rank.
+
+        With a ``target`` (on the last stage's rank) and a ``loss_fn``, ``losses`` gets each
+        microbatch's loss, as in torch.
+        """
+        return self._run(
+            self._forward_schedule(), args, kwargs, target, losses, True, train=False, loss_kwargs=loss_kwargs
+        )
 
     def _forward_schedule(self) -> Schedule:
         if self._eval_schedule is None:
@@ -905,6 +940,7 @@ class PipelineScheduleRuntime:
         return_outputs: bool,
         *,
         train: bool,
+        loss_kwargs: dict[str, Any] | None = None,
     ) -> Any:
         if self._failed is not None:
             raise PipelineError(f"rank {self.rank}: this schedule cannot run again: {_dead_group(self._failed)}")
@@ -930,7 +966,8 @@ class PipelineScheduleRuntime:
                 loss_fn=self._loss_fn if targets is not None else None,
                 loss_scale=1.0 / n if self.scale_grads else 1.0,
                 train=train,
-                keep_outputs=return_outputs or not train,
+                keep_outputs=return_outputs,
+                loss_kwargs=loss_kwargs,
             )
             if train:
                 for st in self._dp_stages:
@@ -942,7 +979,7 @@ class PipelineScheduleRuntime:
                 for st in self._dp_stages:  # a schedule lowered without REDUCE_GRAD still syncs once
                     if st.stage_index not in program.reduced:
                         _reduce_grad(st)
-            result = self._finish(program, losses, return_outputs or not train)
+            result = self._finish(program, losses, return_outputs)
         except BaseException as exc:
             self._fail(program, exc)
             raise AssertionError("unreachable") from exc  # _fail always raises

@@ -3,8 +3,9 @@
 Each class only chooses which :class:`~pipetrain.plan.Schedule` to build; all of them run on the
 one executor, :class:`~pipetrain.runtime.PipelineScheduleRuntime`. Constructors take torch's
 arguments ``(stage_or_stages, n_microbatches, loss_fn=None, args_chunk_spec=None,
-kwargs_chunk_spec=None, output_merge_spec=None, scale_grads=True)``; extra keywords (``timeout``,
-``poll_interval``, ``lower_options``) go to the runtime.
+kwargs_chunk_spec=None, output_merge_spec=None, scale_grads=True)`` and torch's keywords
+``backward_requires_autograd``, ``defer_pp_recv`` and ``use_full_backward``; extra keywords
+(``timeout``, ``poll_interval``, ``recv_ahead``, ``lower_options``) go to the runtime.
 """
 
 from __future__ import annotations
@@ -52,8 +53,14 @@ class PipelineScheduleMulti(PipelineScheduleRuntime):
         kwargs_chunk_spec: dict[str, Any] | None = None,
         output_merge_spec: Any = None,
         scale_grads: bool = True,
+        *,
+        use_full_backward: bool | None = None,
+        defer_pp_recv: bool = False,
         **options: Any,
     ) -> None:
+        # torch's keywords with nothing to do here: use_full_backward is deprecated there, and the
+        # runtime always waits for received data right before its use (what defer_pp_recv asks for).
+        del use_full_backward, defer_pp_recv
         name = type(self).__name__
         stage_list = [stages] if isinstance(stages, PipelineStage) else list(stages)
         if not stage_list:

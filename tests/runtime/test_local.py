@@ -115,3 +115,33 @@ def test_every_action_is_labelled_for_the_profiler_and_timed(monkeypatch: pytest
     assert timeline is not None and timeline.source == "measured" and timeline.unit == "s"
     assert sorted(e.action for e in timeline.events) == sorted(expected)
     assert all(e.end >= e.start for e in timeline.events)
+
+
+def test_torch_call_patterns_loss_kwargs_eval_losses_and_no_grad() -> None:
+    from pipetrain import LocalPipeline
+    from pipetrain.errors import PipelineError
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 4) for _ in range(4)]
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
+        return nn.functional.mse_loss(out, target) * weight
+
+    pipe = LocalPipeline(layers, "Interleaved1F1B", n_microbatches=4, loss_fn=loss_fn, num_ranks=2)
+    losses: list[torch.Tensor] = []
+    pipe.step(x, target=y, losses=losses, loss_kwargs={"weight": 2.0})
+    h = x
+    for layer in layers:
+        h = layer(h)
+    expected = torch.stack([loss_fn(h[i : i + 2], y[i : i + 2], 2.0) for i in range(0, 8, 2)]).detach()
+    torch.testing.assert_close(torch.stack(losses), expected)
+    evaluated: list[torch.Tensor] = []
+    out = pipe.eval(x, target=y, losses=evaluated, loss_kwargs={"weight": 2.0})
+    torch.testing.assert_close(torch.stack(evaluated), expected)
+    torch.testing.assert_close(out, h.detach())
+    with torch.no_grad(), pytest.raises(PipelineError, match="eval"):
+        pipe.step(x, target=y)
+    forward = LocalPipeline(layers, "Interleaved1F1B", n_microbatches=4, num_ranks=2)
+    assert forward.step(x, return_outputs=False) is None
+    torch.testing.assert_close(forward.step(x), h.detach())

@@ -263,3 +263,89 @@ def test_gradient_receives_are_posted_ahead_within_the_window() -> None:
     assert len(recvs) == 8 and not any(t < first for t in recvs), (recvs, first)
     recvs, first = results[0][100]
     assert len(recvs) == 8 and all(t < first for t in recvs), (recvs, first)
+
+
+def _weighted_mse(out: torch.Tensor, y: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
+    return nn.functional.mse_loss(out, y) * weight
+
+
+def _torch_call_patterns(rank: int, world: int, name: str) -> dict[str, Any]:
+    """What a script written for torch.distributed.pipelining does beyond step(x, target=y)."""
+    import pipetrain
+    from pipetrain.plan import build_schedule
+
+    plan = build_schedule(name, world, 4)
+    mine = plan.stages_of(rank)
+    torch.manual_seed(0)
+    layers = [nn.Linear(WIDTH, WIDTH) for _ in range(plan.num_stages)]
+    stages = [pipetrain.PipelineStage(layers[s], s, plan.num_stages, "cpu") for s in mine]
+    cls = pipetrain.get_schedule_class(name)
+    first, last = 0 in mine, plan.num_stages - 1 in mine
+    x, y = torch.randn(8, WIDTH), torch.randn(8, WIDTH)
+    args, target = ((x,) if first else ()), (y if last else None)
+    out: dict[str, Any] = {}
+
+    # torch's extra constructor keywords are accepted
+    sched = cls(
+        stages if len(stages) > 1 else stages[0],
+        4,
+        loss_fn=_weighted_mse,
+        defer_pp_recv=True,
+        use_full_backward=None,
+        backward_requires_autograd=True,
+    )
+    losses: list[torch.Tensor] = []
+    sched.step(*args, target=target, losses=losses, loss_kwargs={"weight": 3.0})
+    out["step losses"] = [float(v) for v in losses]
+    out["grads"] = {s: layers[s].weight.grad.tolist() for s in mine}  # plain values: ranks exit after returning
+    for layer in layers:
+        layer.zero_grad(set_to_none=True)
+
+    losses = []
+    result = sched.eval(*args, target=target, losses=losses, loss_kwargs={"weight": 3.0})
+    out["eval losses"] = [float(v) for v in losses]
+    out["eval output"] = None if result is None else result.tolist()
+    out["eval grads"] = [layers[s].weight.grad for s in mine]
+
+    try:
+        with torch.no_grad():
+            sched.step(*args, target=target)
+        out["no_grad"] = "no error"
+    except RuntimeError as err:  # torch raises RuntimeError here; PipelineError is one
+        out["no_grad"] = str(err)
+
+    forward = cls(stages if len(stages) > 1 else stages[0], 4)
+    out["forward, return_outputs=False"] = forward.step(*args, return_outputs=False)
+    result = forward.step(*args)
+    out["forward"] = None if result is None else result.tolist()
+    return out
+
+
+@pytest.mark.parametrize("name", ["1F1B", "Interleaved1F1B", "ZBVZeroBubble"])
+def test_torch_call_patterns_loss_kwargs_eval_losses_and_no_grad(name: str) -> None:
+    results = run_ranks(_torch_call_patterns, 2, name, timeout=180)
+    from pipetrain.plan import build_schedule
+
+    plan = build_schedule(name, 2, 4)
+    torch.manual_seed(0)
+    layers = [nn.Linear(WIDTH, WIDTH) for _ in range(plan.num_stages)]
+    x, y = torch.randn(8, WIDTH), torch.randn(8, WIDTH)
+    h = x
+    for layer in layers:
+        h = layer(h)
+    expected = [_weighted_mse(h[i : i + 2], y[i : i + 2], 3.0) for i in range(0, 8, 2)]
+    torch.stack(expected).mean().backward()
+    last_rank = plan.stage_to_rank[plan.num_stages - 1]
+    for rank, res in enumerate(results):
+        for s, grad in res["grads"].items():
+            torch.testing.assert_close(torch.tensor(grad), layers[s].weight.grad)
+        assert res["eval grads"] == [None] * len(res["eval grads"]), "eval must not touch gradients"
+        assert "torch.no_grad()" in res["no_grad"] and "eval()" in res["no_grad"], res["no_grad"]
+        assert res["forward, return_outputs=False"] is None
+        if rank == last_rank:
+            torch.testing.assert_close(torch.tensor(res["step losses"]), torch.stack(expected).detach())
+            torch.testing.assert_close(torch.tensor(res["eval losses"]), torch.stack(expected).detach())
+            torch.testing.assert_close(torch.tensor(res["eval output"]), h.detach())
+            torch.testing.assert_close(torch.tensor(res["forward"]), h.detach())
+        else:
+            assert res["step losses"] == [] and res["eval losses"] == [] and res["forward"] is None
