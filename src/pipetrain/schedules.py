@@ -38,8 +38,8 @@ __all__ = [
 ]
 
 
-class PipelineScheduleMulti(PipelineScheduleRuntime):
-    """A named schedule with any number of stages per rank (a list of this rank's stages)."""
+class _NamedSchedule(PipelineScheduleRuntime):
+    """A schedule chosen by name (``schedule_name``), built for this group's size and stages."""
 
     schedule_name: ClassVar[str] = ""
     one_stage_per_rank: ClassVar[bool] = False
@@ -53,9 +53,10 @@ class PipelineScheduleMulti(PipelineScheduleRuntime):
         kwargs_chunk_spec: dict[str, Any] | None = None,
         output_merge_spec: Any = None,
         scale_grads: bool = True,
+        backward_requires_autograd: bool = True,
+        defer_pp_recv: bool = False,
         *,
         use_full_backward: bool | None = None,
-        defer_pp_recv: bool = False,
         **options: Any,
     ) -> None:
         # torch's keywords with nothing to do here: use_full_backward is deprecated there, and the
@@ -90,17 +91,41 @@ class PipelineScheduleMulti(PipelineScheduleRuntime):
             args_chunk_spec,
             kwargs_chunk_spec,
             output_merge_spec,
+            backward_requires_autograd=backward_requires_autograd,
             **options,
         )
 
 
-class PipelineScheduleSingle(PipelineScheduleMulti):
-    """A named schedule with exactly one stage per rank."""
+class PipelineScheduleMulti(_NamedSchedule):
+    """A named schedule with any number of stages per rank (a list of this rank's stages)."""
+
+
+class PipelineScheduleSingle(_NamedSchedule):
+    """A named schedule with exactly one stage per rank (not a PipelineScheduleMulti, as in torch)."""
 
     one_stage_per_rank = True
 
-    def __init__(self, stage: PipelineStage | Sequence[PipelineStage], n_microbatches: int, *a: Any, **kw: Any) -> None:
-        super().__init__(stage, n_microbatches, *a, **kw)  # torch names the first argument `stage` here
+    def __init__(
+        self,
+        stage: PipelineStage | Sequence[PipelineStage],
+        n_microbatches: int,
+        loss_fn: LossFn | None = None,
+        args_chunk_spec: tuple[Any, ...] | None = None,
+        kwargs_chunk_spec: dict[str, Any] | None = None,
+        output_merge_spec: Any = None,
+        scale_grads: bool = True,
+        **options: Any,
+    ) -> None:  # torch's positional order for one stage per rank
+        super().__init__(
+            stage,
+            n_microbatches,
+            loss_fn,
+            args_chunk_spec,
+            kwargs_chunk_spec,
+            output_merge_spec,
+            scale_grads,
+            **options,
+        )
 
 
 class ScheduleGPipe(PipelineScheduleSingle):
@@ -128,6 +153,33 @@ ScheduleFlexibleInterleaved1F1B = ScheduleInterleaved1F1B
 
 class ScheduleLoopedBFS(PipelineScheduleMulti):
     schedule_name = "LoopedBFS"
+
+    def __init__(
+        self,
+        stages: PipelineStage | Sequence[PipelineStage],
+        n_microbatches: int,
+        loss_fn: LossFn | None = None,
+        output_merge_spec: Any = None,
+        scale_grads: bool = True,
+        backward_requires_autograd: bool = True,
+        defer_pp_recv: bool = False,
+        *,
+        args_chunk_spec: tuple[Any, ...] | None = None,
+        kwargs_chunk_spec: dict[str, Any] | None = None,
+        **options: Any,
+    ) -> None:  # torch's positional order: LoopedBFS takes no chunk specs there
+        super().__init__(
+            stages,
+            n_microbatches,
+            loss_fn,
+            args_chunk_spec,
+            kwargs_chunk_spec,
+            output_merge_spec,
+            scale_grads,
+            backward_requires_autograd,
+            defer_pp_recv,
+            **options,
+        )
 
 
 class ScheduleInterleavedZeroBubble(PipelineScheduleMulti):

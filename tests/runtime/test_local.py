@@ -145,3 +145,26 @@ def test_torch_call_patterns_loss_kwargs_eval_losses_and_no_grad() -> None:
     forward = LocalPipeline(layers, "Interleaved1F1B", n_microbatches=4, num_ranks=2)
     assert forward.step(x, return_outputs=False) is None
     torch.testing.assert_close(forward.step(x), h.detach())
+
+
+def test_uneven_microbatches_give_whole_batch_gradients_with_a_summed_loss() -> None:
+    """The guide's recipe: with 10 rows in 3, 3, 2, 2, a mean per microbatch weighs rows unevenly;
+    summing and dividing by the batch size, with scale_grads=False, is whole-batch training."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 4) for _ in range(4)]
+    x, y = torch.randn(10, 4), torch.randn(10, 4)
+
+    def summed(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(out, target, reduction="sum") / y.numel()  # the whole batch's count
+
+    pipe = LocalPipeline(layers, "1F1B", n_microbatches=4, loss_fn=summed, num_ranks=4, scale_grads=False)
+    pipe.step(x, target=y)
+    grads = [layer.weight.grad.clone() for layer in layers]
+    for layer in layers:
+        layer.zero_grad(set_to_none=True)
+    h = x
+    for layer in layers:
+        h = layer(h)
+    nn.functional.mse_loss(h, y).backward()
+    for layer, grad in zip(layers, grads, strict=True):
+        torch.testing.assert_close(grad, layer.weight.grad)
