@@ -828,17 +828,21 @@ class Waiter:
             try:
                 work.wait(limit)
             except Exception as err:
+                handle_peer = what.peer if isinstance(what, RecvHandle) else None
                 what = _describe(what)
                 story = None if self.failure is None else self.failure.check()
                 if story is not None:
                     raise RemoteFailureError(f"{self.where()}: waiting for {what} failed because {story}") from err
                 waited = time.monotonic() - start
-                how = (
-                    f"timed out after {self.timeout:g} s" if waited >= self.timeout else f"failed after {waited:.2g} s"
-                )
-                raise PipelineError(
-                    f"{self.where()}: waiting for {what} {how} (no rank reported a failure): {err}"
-                ) from err
+                if waited >= self.timeout:
+                    peer = f"rank {handle_peer}" if handle_peer is not None else "the sender"
+                    how = (
+                        f"timed out after {self.timeout:g} s (no rank reported a failure: {peer}, or a rank it "
+                        "waits for, may be stalled)"
+                    )
+                else:
+                    how = f"failed after {waited:.2g} s (no rank reported a failure)"
+                raise PipelineError(f"{self.where()}: waiting for {what} {how}: {err}") from err
 
     def background(self, works: list[Any], keep: Any, on_done: Callable[[], None] | None, what: Any) -> None:
         """Remember a posted send; :meth:`drain` waits for all of them at the end of the step.

@@ -272,3 +272,35 @@ def test_a_closed_connection_is_explained_by_the_failure_that_closed_it() -> Non
     msg, elapsed = run_ranks(_peer_exits, 2, timeout=120)[0]
     assert elapsed < 10, (elapsed, msg)
     assert "because rank 1, step 0, action 1F0: ValueError: bug in the module" in msg, msg
+
+
+class Stalls(nn.Module):
+    """A stage that hangs for a while on its first call without raising (a stuck data loader, a lock)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.seconds = seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.seconds)
+        self.seconds = 0.0
+        return self.lin(x)
+
+
+def _stalled(rank: int, world: int) -> tuple[str, float]:
+    from pipetrain import Schedule1F1B
+    from pipetrain.stage import PipelineStage
+
+    torch.manual_seed(0)
+    module = Stalls(4.0) if rank == 1 else nn.Linear(4, 4)
+    sched = Schedule1F1B(PipelineStage(module, rank, world, "cpu"), 4, loss_fn=nn.functional.mse_loss, timeout=1.5)
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    return _expect_error(lambda: sched.step(*((x,) if rank == 0 else ()), target=y if rank == 1 else None))
+
+
+def test_a_stalled_rank_is_bounded_by_the_timeout_and_named_as_the_suspect() -> None:
+    (msg0, elapsed0), (msg1, _) = run_ranks(_stalled, 2, timeout=120)
+    assert 1.4 < elapsed0 < 4, (elapsed0, msg0)
+    assert "timed out after 1.5 s" in msg0 and "rank 1, or a rank it waits for, may be stalled" in msg0, msg0
+    assert "because rank 0, step 0" in msg1 and "may be stalled" in msg1, msg1
