@@ -102,6 +102,7 @@ class LocalPipeline:
         output_merge_spec: Any = None,
         device: torch.device | str = "cpu",
         lower_options: dict[str, Any] | None = None,
+        backward_requires_autograd: bool = True,
     ) -> None:
         modules = list(modules)
         if not modules:
@@ -124,6 +125,7 @@ class LocalPipeline:
         self.stages = [PipelineStage(m, i, len(modules), device) for i, m in enumerate(modules)]
         self.loss_fn = loss_fn
         self.scale_grads = scale_grads
+        self.backward_requires_autograd = backward_requires_autograd  # False: step() may run under no_grad
         self._args_chunk_spec = args_chunk_spec
         self._kwargs_chunk_spec = kwargs_chunk_spec
         self._output_merge_spec = output_merge_spec
@@ -153,7 +155,7 @@ class LocalPipeline:
             if a is not None and a.kind.is_compute
             for p in a.parts
         )
-        if not forward_only and not torch.is_grad_enabled():
+        if not forward_only and self.backward_requires_autograd and not torch.is_grad_enabled():
             raise PipelineError(
                 "LocalPipeline.step trains and needs autograd, but it was called under torch.no_grad(); "
                 "call eval() to run forward only"
@@ -174,12 +176,22 @@ class LocalPipeline:
         *args: Any,
         target: Any = None,
         losses: list[Any] | None = None,
+        return_outputs: bool = True,
         loss_kwargs: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> Any:
         """Forward only, without autograd; the merged output of the last stage (and with a
         ``target`` and a ``loss_fn``, each microbatch's loss in ``losses``)."""
-        return self._run(self._forward_schedule(), args, kwargs, target, losses, train=False, loss_kwargs=loss_kwargs)
+        return self._run(
+            self._forward_schedule(),
+            args,
+            kwargs,
+            target,
+            losses,
+            train=False,
+            return_outputs=return_outputs,
+            loss_kwargs=loss_kwargs,
+        )
 
     def _forward_schedule(self) -> Schedule:
         if self._eval_schedule is None:

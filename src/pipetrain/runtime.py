@@ -624,8 +624,12 @@ def _failure_channel(group: dist.ProcessGroup | None, rank: int) -> FailureChann
         store = dist.distributed_c10d._get_default_store()
     except (RuntimeError, ValueError):
         return None
+    return FailureChannel(store, _namespace(group), rank)
+
+
+def _namespace(group: dist.ProcessGroup | None) -> str:
     group_obj = group if group is not None else dist.group.WORLD
-    return FailureChannel(store, str(getattr(group_obj, "group_name", "world")), rank)
+    return str(getattr(group_obj, "group_name", "world"))
 
 
 def _dead_group(story: str) -> str:
@@ -667,21 +671,16 @@ def _summary(schedule: Schedule) -> str:
     )
 
 
-_HASHES: dict[int, tuple[Schedule, dict[int, str]]] = {}
+def _messages_hash(schedule: Schedule, rank: int) -> str:
+    """A digest of the SEND/RECV actions of ``rank``'s program, in order: what must match between
+    neighbours (compute, FSDP and gradient-reduction actions may differ per rank)."""
+    text = ",".join(str(a) for a in schedule.actions[rank] if a is not None and a.kind.is_comm)
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
-def _program_hash(schedule: Schedule, rank: int) -> str:
-    """A digest of ``rank``'s program in ``schedule`` (cached per schedule)."""
-    hit = _HASHES.get(id(schedule))
-    if hit is None or hit[0] is not schedule:
-        if len(_HASHES) > 64:
-            _HASHES.clear()
-        hit = _HASHES[id(schedule)] = (schedule, {})
-    digest = hit[1].get(rank)
-    if digest is None:
-        text = ",".join("" if a is None else str(a) for a in schedule.actions[rank])
-        digest = hit[1][rank] = hashlib.sha1(text.encode()).hexdigest()[:16]
-    return digest
+# Process groups (by failure-channel namespace) on which a step failed in this process, with the
+# story: no schedule object runs on them again (messages of the failed step may be in flight).
+_DEAD_GROUPS: dict[str, str] = {}
 
 
 def _wait_keys(
@@ -760,7 +759,10 @@ class PipelineScheduleRuntime:
             lower_options = {"grad_reduce": True, "fsdp": fsdp}
         self._lower_options = dict(lower_options or {})
         self._failure = _failure_channel(self.group, self.rank)
-        story = None if self._failure is None else self._failure.check()
+        self._namespace = _namespace(self.group)
+        story = _DEAD_GROUPS.get(self._namespace)
+        if story is None and self._failure is not None:
+            story = self._failure.check()
         if story is not None:
             raise PipelineError(f"rank {self.rank}: {_dead_group(story)}")
         try:
@@ -799,7 +801,6 @@ class PipelineScheduleRuntime:
         )
         self._step_count = 0
         self._last_events: tuple[list[tuple[Action, int, int]], int, Schedule] | None = None
-        self._failed: str | None = None  # the story of this runtime's failure: it cannot run again
         self._agreed: set[int] = set()  # ids of the schedules the ranks have been checked to agree on
 
     # -------------------------------------------------------------- set-up
@@ -851,13 +852,20 @@ class PipelineScheduleRuntime:
         checks its neighbours' against its own copy of the schedule. Once per schedule.
         """
         failure = self._failure
-        if failure is not None:
-            peers = _neighbours(schedule, self.rank)
+        peers = _neighbours(schedule, self.rank)
+        if failure is not None and peers:
             key = _AGREEMENT.setdefault(failure.namespace, [0])
             key[0] += 1  # the n-th first step on a group is collective, so every rank counts alike
             prefix = f"pipetrain/{failure.namespace}/plan/{key[0]}/"
             mine = _summary(schedule)
-            failure.store.set(f"{prefix}{self.rank}", f"{mine}#{_program_hash(schedule, self.rank)}")
+            try:
+                failure.store.set(f"{prefix}{self.rank}", f"{mine}#{_messages_hash(schedule, self.rank)}")
+                ready = failure.store.check([f"{prefix}{self.rank}"])
+            except Exception:  # a store without set/check (a fake backend's): nothing to compare with
+                ready = False
+            if not ready:
+                self._agreed.add(id(schedule))
+                return
             theirs = _wait_keys(failure, [f"{prefix}{p}" for p in peers], self.timeout, self.poll_interval, self._where)
             for peer, value in zip(peers, theirs, strict=True):
                 summary, _, digest = value.rpartition("#")
@@ -866,10 +874,10 @@ class PipelineScheduleRuntime:
                         f"{self._where()}: the ranks built different schedules: this rank runs {mine}, "
                         f"rank {peer} runs {summary}"
                     )
-                if digest != _program_hash(schedule, peer):
+                if digest != _messages_hash(schedule, peer):
                     raise PipelineError(
-                        f"{self._where()}: the ranks built different schedules: rank {peer}'s program differs from "
-                        f"the one this rank's schedule {mine} gives it"
+                        f"{self._where()}: the ranks built different schedules: rank {peer}'s sends and receives "
+                        f"differ from those this rank's schedule ({mine}) gives it"
                     )
         self._agreed.add(id(schedule))
 
@@ -913,6 +921,7 @@ class PipelineScheduleRuntime:
         *args: Any,
         target: Any = None,
         losses: list[Any] | None = None,
+        return_outputs: bool = True,
         loss_kwargs: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> Any:
@@ -922,7 +931,7 @@ class PipelineScheduleRuntime:
         microbatch's loss, as in torch.
         """
         return self._run(
-            self._forward_schedule(), args, kwargs, target, losses, True, train=False, loss_kwargs=loss_kwargs
+            self._forward_schedule(), args, kwargs, target, losses, return_outputs, train=False, loss_kwargs=loss_kwargs
         )
 
     def _forward_schedule(self) -> Schedule:
@@ -942,8 +951,9 @@ class PipelineScheduleRuntime:
         train: bool,
         loss_kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        if self._failed is not None:
-            raise PipelineError(f"rank {self.rank}: this schedule cannot run again: {_dead_group(self._failed)}")
+        dead = _DEAD_GROUPS.get(self._namespace)
+        if dead is not None:
+            raise PipelineError(f"rank {self.rank}: this schedule cannot run: {_dead_group(dead)}")
         step_index = self._step_count
         self._step_count += 1
         program = self._program
@@ -1029,7 +1039,7 @@ class PipelineScheduleRuntime:
             message = f"{where}: {type(exc).__name__}: {exc}"
             if program.action is not None and program.action.kind.is_compute:
                 message += self._transport.input_note(program.action, self.schedule.stage_to_rank, self.rank)
-        self._failed = message
+        _DEAD_GROUPS.setdefault(self._namespace, message)
         if not remote:
             self._report(message if message.startswith("rank ") else f"rank {self.rank}: {message}")
         # Wake whoever waits for a message of ours (after the report, so they can read it).

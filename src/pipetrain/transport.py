@@ -591,7 +591,9 @@ class DistTransport:
         """For an error in ``action``'s compute: how its received input differs from what came before.
 
         Shapes may change between steps and microbatches; where the stage then fails, the change
-        is the likely cause, so the error names both stages and both shapes. "" if nothing changed.
+        is a likely cause, so the error names both stages and both shapes: against the same
+        microbatch of an earlier step, else against another microbatch of this step (ignoring
+        the microbatch dimension, which uneven splits change by design). "" if nothing changed.
         """
         notes = []
         for part in action.parts:
@@ -605,21 +607,17 @@ class DistTransport:
             now = self._received.get(key)
             if now is None or stage_to_rank.get(src) == rank:
                 continue
-            before = self._before.get(key)
-            label = f"microbatch {m} of an earlier step"
-            if before is None:  # first time this microbatch came: compare with the others from that stage
-                others = [(k[2], lay) for k, lay in self._received.items() if k[:2] == key[:2] and k != key]
-                differing = [(mb, lay) for mb, lay in others if lay.tensors != now.tensors]
-                if not differing:
-                    continue
-                mb, before = max(differing, key=lambda item: item[0])
-                label = f"microbatch {mb}"
-            if before.tensors == now.tensors:
-                continue
-            notes.append(
-                f"stage {s} received {what} for microbatch {m} as {_specs(now)}, but {_specs(before)} for {label}"
-            )
-        return f" (shapes changed: {'; '.join(notes)})" if notes else ""
+            before, label = self._before.get(key), f"microbatch {m} of an earlier step"
+            if before is None or _shapes(before) == _shapes(now):
+                before = None
+                for k, lay in self._received.items():
+                    if k[:2] == key[:2] and k != key and _shapes(lay, 1) != _shapes(now, 1):
+                        before, label = lay, f"microbatch {k[2]}"
+            if before is not None:
+                notes.append(
+                    f"stage {s} received {what} for microbatch {m} as {_specs(now)}, but {_specs(before)} for {label}"
+                )
+        return f" (input shapes changed: {'; '.join(notes)})" if notes else ""
 
     @staticmethod
     def _flag(handle: RecvHandle) -> int:
@@ -751,6 +749,11 @@ class FailureChannel:
         except Exception:
             return None
         return None
+
+
+def _shapes(layout: Layout, skip: int = 0) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+    """Dtypes and shapes of a layout's tensors, without their first ``skip`` dimensions."""
+    return [(dtype, tuple(shape)[skip:]) for dtype, shape, _ in layout.tensors]
 
 
 def _specs(layout: Layout) -> str:

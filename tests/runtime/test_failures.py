@@ -229,11 +229,32 @@ def _disagreements(rank: int, world: int) -> dict[str, tuple[str, float]]:
     # 3. A stage output that changes shape mid-step breaks the next stage: both shapes are named.
     group = dist.new_group(backend="gloo")
     sched = ScheduleGPipe(stage(group, rank, module=Widens(at=2) if rank == 0 else None), 4, loss_fn=loss, timeout=60)
+    evaluator = ScheduleGPipe(stage(group, rank), 4)
     out["changed shape"] = _expect_error(lambda: sched.step(*args, **kw))
 
-    # 4. After a failure neither the schedule nor the group runs again, and the error says why.
+    # 4. After a failure neither the schedule nor the group runs again, and the error says why:
+    #    not the failed object, not another one built before the failure, not a new one.
     out["step again"] = _expect_error(lambda: sched.step(*args, **kw))
+    out["other schedule, same group"] = _expect_error(lambda: evaluator.eval(*args))
     out["new schedule, same group"] = _expect_error(lambda: ScheduleGPipe(stage(group, rank), 4, loss_fn=loss))
+
+    # 5. Uneven microbatches (10 rows in 3, 3, 2, 2) and a failure unrelated to shapes: no shape note.
+    group = dist.new_group(backend="gloo")
+    sched = ScheduleGPipe(stage(group, rank, module=Explodes(fail_on=2) if rank == 1 else None), 4, loss_fn=loss)
+    ten = ((torch.randn(10, 4),) if rank == 0 else ()), {"target": torch.randn(10, 4) if rank == world - 1 else None}
+    out["uneven, unrelated failure"] = _expect_error(lambda: sched.step(*ten[0], **ten[1]))
+
+    # 6. Ranks whose programs differ only in compute (a DDP stage beside a stage with no
+    #    parameters, which DDP cannot wrap) exchange the same messages: they agree and train.
+    from torch.nn.parallel import DistributedDataParallel
+
+    alone = [dist.new_group([r], backend="gloo") for r in range(world)]
+    group = dist.new_group(backend="gloo")
+    torch.manual_seed(0)
+    module = DistributedDataParallel(nn.Linear(4, 4), process_group=alone[0]) if rank == 0 else nn.Tanh()
+    sched = Schedule1F1B(PipelineStage(module, rank, world, "cpu", group=group), 4, loss_fn=loss, timeout=60)
+    sched.step(*args, **kw)
+    out["ddp beside no parameters"] = ("trained", 0.0)
     return out
 
 
@@ -249,10 +270,12 @@ def test_disagreeing_ranks_shape_changes_and_dead_groups_are_named() -> None:
         assert "rank 1, step 0, action 1F2: RuntimeError" in msg, (rank, msg)
         assert "stage 1 received the output of stage 0 for microbatch 2 as float32 [2, 5]" in msg, (rank, msg)
         assert "float32 [2, 4] for microbatch 1" in msg, (rank, msg)
-        msg, elapsed = res["step again"]
-        assert elapsed < 1 and "cannot run again" in msg and "1F2" in msg and "dist.new_group" in msg, (rank, msg)
-        msg, elapsed = res["new schedule, same group"]
-        assert elapsed < 1 and "already failed" in msg and "1F2" in msg, (rank, msg)
+        for case in ("step again", "other schedule, same group", "new schedule, same group"):
+            msg, elapsed = res[case]
+            assert elapsed < 1 and "already failed" in msg and "1F2" in msg and "dist.new_group" in msg, (case, msg)
+        msg, _ = res["uneven, unrelated failure"]
+        assert "rank 1, step 0, action 1F2: ValueError: bug in the module" in msg and "shapes" not in msg, msg
+        assert res["ddp beside no parameters"][0] == "trained"
 
 
 def _peer_exits(rank: int, world: int) -> tuple[str, float]:

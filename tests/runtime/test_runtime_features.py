@@ -306,6 +306,7 @@ def _torch_call_patterns(rank: int, world: int, name: str) -> dict[str, Any]:
     out["eval losses"] = [float(v) for v in losses]
     out["eval output"] = None if result is None else result.tolist()
     out["eval grads"] = [layers[s].weight.grad for s in mine]
+    out["eval, return_outputs=False"] = sched.eval(*args, target=target, return_outputs=False)
 
     try:
         with torch.no_grad():
@@ -341,7 +342,7 @@ def test_torch_call_patterns_loss_kwargs_eval_losses_and_no_grad(name: str) -> N
             torch.testing.assert_close(torch.tensor(grad), layers[s].weight.grad)
         assert res["eval grads"] == [None] * len(res["eval grads"]), "eval must not touch gradients"
         assert "torch.no_grad()" in res["no_grad"] and "eval()" in res["no_grad"], res["no_grad"]
-        assert res["forward, return_outputs=False"] is None
+        assert res["forward, return_outputs=False"] is None and res["eval, return_outputs=False"] is None
         if rank == last_rank:
             torch.testing.assert_close(torch.tensor(res["step losses"]), torch.stack(expected).detach())
             torch.testing.assert_close(torch.tensor(res["eval losses"]), torch.stack(expected).detach())
