@@ -21,6 +21,7 @@ import contextlib
 import hashlib
 import os
 import time
+import weakref
 from collections.abc import Callable, Generator, Sequence
 from datetime import timedelta
 from typing import Any, Protocol
@@ -678,9 +679,10 @@ def _messages_hash(schedule: Schedule, rank: int) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
-# Process groups (by failure-channel namespace) on which a step failed in this process, with the
-# story: no schedule object runs on them again (messages of the failed step may be in flight).
-_DEAD_GROUPS: dict[str, str] = {}
+# Process groups on which a step failed in this process, with the story: no schedule object runs
+# on them again (messages of the failed step may be in flight). Weak keys: a group name may be
+# reused by a later group after destroy_process_group.
+_DEAD_GROUPS: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 
 
 def _wait_keys(
@@ -759,8 +761,8 @@ class PipelineScheduleRuntime:
             lower_options = {"grad_reduce": True, "fsdp": fsdp}
         self._lower_options = dict(lower_options or {})
         self._failure = _failure_channel(self.group, self.rank)
-        self._namespace = _namespace(self.group)
-        story = _DEAD_GROUPS.get(self._namespace)
+        self._group_obj = self.group if self.group is not None else dist.group.WORLD
+        story = _DEAD_GROUPS.get(self._group_obj)
         if story is None and self._failure is not None:
             story = self._failure.check()
         if story is not None:
@@ -951,7 +953,7 @@ class PipelineScheduleRuntime:
         train: bool,
         loss_kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        dead = _DEAD_GROUPS.get(self._namespace)
+        dead = _DEAD_GROUPS.get(self._group_obj)
         if dead is not None:
             raise PipelineError(f"rank {self.rank}: this schedule cannot run: {_dead_group(dead)}")
         step_index = self._step_count
@@ -1039,7 +1041,7 @@ class PipelineScheduleRuntime:
             message = f"{where}: {type(exc).__name__}: {exc}"
             if program.action is not None and program.action.kind.is_compute:
                 message += self._transport.input_note(program.action, self.schedule.stage_to_rank, self.rank)
-        _DEAD_GROUPS.setdefault(self._namespace, message)
+        _DEAD_GROUPS.setdefault(self._group_obj, message)
         if not remote:
             self._report(message if message.startswith("rank ") else f"rank {self.rank}: {message}")
         # Wake whoever waits for a message of ours (after the report, so they can read it).
