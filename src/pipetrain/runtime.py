@@ -850,8 +850,9 @@ class PipelineScheduleRuntime:
 
         Ranks that built different schedules (say, different ``n_microbatches``) would post
         operations that do not match: gloo then aborts the process on a size mismatch, or a rank
-        waits forever. Each rank leaves a summary and a hash of its program in the store; each
-        checks its neighbours' against its own copy of the schedule. Once per schedule.
+        waits forever. Each rank leaves in the store a summary of the schedule and a hash of its
+        program's sends and receives; each checks its neighbours' against its own copy of the
+        schedule. Once per schedule; skipped on a store that cannot hold keys.
         """
         failure = self._failure
         peers = _neighbours(schedule, self.rank)
