@@ -992,6 +992,9 @@ class PipelineScheduleRuntime:
                 for st in self._dp_stages:  # a schedule lowered without REDUCE_GRAD still syncs once
                     if st.stage_index not in program.reduced:
                         _reduce_grad(st)
+            else:
+                for st in self._dp_stages:  # FSDP keeps a root module gathered after a forward; an
+                    _reshard(st)  # optimizer step would then update shards the next step never reads
             result = self._finish(program, losses, return_outputs)
         except BaseException as exc:
             self._fail(program, exc)

@@ -66,6 +66,27 @@ def _dp_cases(rank: int, world: int) -> list[str]:
                     torch.testing.assert_close(
                         grad, q.grad, msg=lambda e, c=case, s=s, n=pname: f"{c} stage {s} {n}: {e}"
                     )
+            if wrap == "fsdp":
+                # Validation between backward and optimizer step: eval must leave the stages
+                # resharded, or the update below would not reach the next forward's weights.
+                sched.eval(*((x,) if first else ()))
+                for s in mine:
+                    assert all(isinstance(p, DTensor) for p in layers[s].parameters()), f"{case}: {s} unsharded"
+                with torch.no_grad():
+                    for p, q in zip(
+                        [p for s in mine for p in layers[s].parameters()],
+                        [q for s in mine for q in list(ref)[s].parameters()],
+                        strict=True,
+                    ):
+                        p.sub_(0.1 * p.grad)
+                        q.sub_(0.1 * q.grad)
+                    out = sched.eval(*((x,) if first else ()))
+                    if last:
+                        for s in range(num_stages):  # the other rank's stages take the same update
+                            if s not in mine:
+                                for q in list(ref)[s].parameters():
+                                    q.sub_(0.1 * q.grad)
+                        torch.testing.assert_close(out, ref(x), msg=lambda e, c=case: f"{c} eval after update: {e}")
             done.append(case)
     return done
 
