@@ -22,7 +22,7 @@ from pipetrain.plan import Schedule, ScheduleError, build_schedule
 from pipetrain.plan.generators import family
 from pipetrain.plan.lower import forwards_only
 from pipetrain.plan.timeline import Timeline, TimelineEvent
-from pipetrain.runtime import LossFn, _Program, prepare_schedule
+from pipetrain.runtime import LossFn, _Program, prepare_schedule, require_autograd
 from pipetrain.stage import PipelineStage
 from pipetrain.transport import LocalTransport, RecvHandle, RecvItem, SendItem
 
@@ -149,24 +149,16 @@ class LocalPipeline:
             )
         if target is None:
             raise PipelineError("LocalPipeline.step: loss_fn is set but no target was given")
-        forward_only = all(
-            p.kind.value == "F"
-            for a in self.schedule.iter_actions()
-            if a is not None and a.kind.is_compute
-            for p in a.parts
-        )
-        if not forward_only and self.backward_requires_autograd and not torch.is_grad_enabled():
-            raise PipelineError(
-                "LocalPipeline.step trains and needs autograd, but it was called under torch.no_grad(); "
-                "call eval() to run forward only"
-            )
+        train = self.schedule.has_backward
+        if train and self.backward_requires_autograd:
+            require_autograd("LocalPipeline.step")
         return self._run(
             self.schedule,
             args,
             kwargs,
             target,
             losses,
-            train=not forward_only,
+            train=train,
             return_outputs=return_outputs,
             loss_kwargs=loss_kwargs,
         )

@@ -46,7 +46,7 @@ from pipetrain.transport import (
     Waiter,
 )
 
-__all__ = ["PipelineScheduleRuntime", "announce_failure", "prepare_schedule"]
+__all__ = ["PipelineScheduleRuntime", "announce_failure", "prepare_schedule", "require_autograd"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 _K = ActionKind
@@ -619,6 +619,14 @@ def prepare_schedule(schedule: Schedule, **lower_options: Any) -> Schedule:
 
 
 # ------------------------------------------------------------------- failures and agreement
+def require_autograd(who: str) -> None:
+    """A training step under ``torch.no_grad()`` is refused, as torch does (``eval`` runs forward only)."""
+    if not torch.is_grad_enabled():
+        raise PipelineError(
+            f"{who} trains and needs autograd, but it was called under torch.no_grad(); call eval() to run forward only"
+        )
+
+
 def _failure_channel(group: dist.ProcessGroup | None, rank: int) -> FailureChannel | None:
     """The store where ranks of ``group`` leave the story of a failure (None without a default store)."""
     try:
@@ -785,12 +793,7 @@ class PipelineScheduleRuntime:
             notices.poison(first.unsent())
             raise
         self.n_microbatches = self.schedule.num_microbatches
-        self._forward_only = not any(
-            p.kind is not _K.F
-            for a in self.schedule.iter_actions()
-            if a is not None and a.kind.is_compute
-            for p in a.parts
-        )
+        self._forward_only = not self.schedule.has_backward
         self._eval_schedule: Schedule | None = None
         self._waiter = self._new_waiter()
         self._transport = DistTransport(self.group, self._stage_list[0].device, self._failure, self._waiter)
@@ -909,11 +912,8 @@ class PipelineScheduleRuntime:
         if self._loss_fn is None:
             return self._run(self._forward_schedule(), args, kwargs, None, None, return_outputs, train=False)
         train = not self._forward_only
-        if train and self.backward_requires_autograd and not torch.is_grad_enabled():
-            raise PipelineError(
-                f"rank {self.rank}: step() trains and needs autograd, but it was called under torch.no_grad(); "
-                "call eval() to run forward only"
-            )
+        if train and self.backward_requires_autograd:
+            require_autograd(f"rank {self.rank}: step()")
         # A forward-only schedule with a loss_fn computes losses (e.g. validation) without autograd.
         return self._run(
             self.schedule, args, kwargs, target, losses, return_outputs, train=train, loss_kwargs=loss_kwargs

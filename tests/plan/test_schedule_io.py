@@ -175,3 +175,12 @@ def test_csv_file_fuzz_raises_only_schedule_error(data: bytes) -> None:
             Schedule.from_csv(path).validate()
         except ScheduleError:
             pass
+
+
+def test_has_backward_tells_training_schedules_from_forward_only_ones() -> None:
+    from pipetrain.plan.lower import forwards_only
+
+    assert build_schedule("1F1B", 2, 4).has_backward
+    assert build_schedule("ZBVZeroBubble", 2, 4).lower().has_backward
+    assert not build_schedule("ForwardOnly", 2, 4).has_backward
+    assert not forwards_only(build_schedule("DualPipeV", 2, 4)).lower().has_backward

@@ -15,7 +15,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from pipetrain.plan._jsonio import read_json
-from pipetrain.plan.actions import Action
+from pipetrain.plan.actions import Action, ActionKind
 from pipetrain.plan.errors import ScheduleError
 
 __all__ = ["Schedule"]
@@ -143,6 +143,16 @@ class Schedule:
     def is_lowered(self) -> bool:
         """True when any rank program holds SEND/RECV, UNSHARD/RESHARD or REDUCE_GRAD."""
         return any(a is not None and not a.kind.is_compute for a in self.iter_actions())
+
+    @property
+    def has_backward(self) -> bool:
+        """True when any compute action (or part of one) is not a forward: running it trains."""
+        return any(
+            p.kind is not ActionKind.F
+            for a in self.iter_actions()
+            if a is not None and a.kind.is_compute
+            for p in a.parts
+        )
 
     def stages_of(self, rank: int) -> list[int]:
         """Stages held by ``rank``, in increasing order."""
