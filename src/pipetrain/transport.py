@@ -180,7 +180,8 @@ def _same(a: Layout, b: Layout) -> bool:
     if a.tensors != b.tensors or a.spec != b.spec or len(a.plain) != len(b.plain):
         return False
     try:
-        return all(x is y or bool(x == y) for x, y in zip(a.plain, b.plain, strict=True))
+        # Equal values of different types (1, 1.0, True) are different messages.
+        return all(x is y or (type(x) is type(y) and bool(x == y)) for x, y in zip(a.plain, b.plain, strict=True))
     except Exception:  # values without a plain truth value (arrays, ...): resend the layout
         return False
 

@@ -53,3 +53,15 @@ def _exchange(rank: int, world: int, single_tag: bool) -> int:
 def test_changing_layouts_match_with_and_without_tags(single_tag: bool) -> None:
     results = run_ranks(_exchange, 2, single_tag)
     assert results == [0, 15]
+
+
+@pytest.mark.parametrize("old, new", [(1, True), (1, 1.0), (0, False), ("1", 1)])
+def test_a_plain_value_of_another_type_is_a_new_layout(old: object, new: object) -> None:
+    """1 and True compare equal, but a receiver rebuilding the old layout would hand over 1."""
+    from pipetrain.transport import _same, layout_of
+
+    t = torch.zeros(2)
+    before, _ = layout_of({"x": t, "flag": old})
+    after, _ = layout_of({"x": t, "flag": new})
+    assert not _same(before, after)
+    assert _same(before, layout_of({"x": t, "flag": old})[0])
