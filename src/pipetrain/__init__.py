@@ -29,6 +29,8 @@ _LAZY = {
     "ScheduleForwardOnly": "pipetrain.schedules",
     "get_schedule_class": "pipetrain.schedules",
     "LocalPipeline": "pipetrain.local",
+    "clip_grad_norm_": "pipetrain.grads",
+    "grad_norm": "pipetrain.grads",
     "split_args_kwargs_into_chunks": "pipetrain.microbatch",
     "merge_chunks": "pipetrain.microbatch",
     "TensorChunkSpec": "pipetrain.microbatch",

@@ -1,4 +1,5 @@
-"""Data parallel × pipeline: 2 pipeline × 2 data-parallel gloo ranks, with DDP and with FSDP2."""
+"""Data parallel × pipeline: 2 pipeline × 2 data-parallel gloo ranks, with DDP and with FSDP2 (gradients,
+clipping across the pipeline, eval)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ def _dp_cases(rank: int, world: int) -> list[str]:
     from torch.distributed.tensor import DTensor
     from torch.nn.parallel import DistributedDataParallel
 
-    from pipetrain import PipelineStage, get_schedule_class
+    from pipetrain import PipelineStage, clip_grad_norm_, get_schedule_class
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     pp_group = mesh["pp"].get_group()
@@ -66,6 +67,14 @@ def _dp_cases(rank: int, world: int) -> list[str]:
                     torch.testing.assert_close(
                         grad, q.grad, msg=lambda e, c=case, s=s, n=pname: f"{c} stage {s} {n}: {e}"
                     )
+            # Clipping by the whole model's norm: over the pipeline group, data-parallel shards included.
+            want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+            got = clip_grad_norm_([p for s in mine for p in layers[s].parameters()], 0.05, group=pp_group)
+            torch.testing.assert_close(got, want, msg=lambda e, c=case: f"{c} clipped norm: {e}")
+            for s in mine:
+                for p, q in zip(layers[s].parameters(), list(ref)[s].parameters(), strict=True):
+                    grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                    torch.testing.assert_close(grad, q.grad, msg=lambda e, c=case, s=s: f"{c} stage {s} clipped: {e}")
             if wrap == "fsdp":
                 # Validation between backward and optimizer step: eval must leave the stages
                 # resharded, or the update below would not reach the next forward's weights.

@@ -38,6 +38,7 @@ def test_defaults_are_the_demo() -> None:
     [
         (["train", "--steps", "0"], "--steps must be >= 1, got 0"),
         (["train", "--batch-size", "4", "--microbatches", "8"], "--batch-size 4 is smaller than --microbatches 8"),
+        (["train", "--clip-grad-norm", "0"], "--clip-grad-norm must be > 0, got 0.0"),
     ],
 )
 def test_bad_arguments_are_one_line_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -66,6 +67,12 @@ def test_check_verdict_names_the_first_differing_step() -> None:
     assert not _agrees(bad)
     assert _mismatch(bad) == "--check failed at step 2: pipelined loss 4.000000 vs plain 4.010000 (rtol 1e-04)"
     assert not _agrees(TrainResult(losses=[5.0], reference=[]))
+    clipped = TrainResult(losses=[5.0], reference=[5.0], grad_norms=[2.0], reference_grad_norms=[2.5])
+    assert not _agrees(clipped)
+    assert _mismatch(clipped) == (
+        "--check failed at step 1: pipelined gradient norm 2.000000 vs plain 2.500000 (rtol 1e-04)"
+    )
+    assert _agrees(TrainResult(losses=[5.0], reference=[5.0], grad_norms=[2.0], reference_grad_norms=[2.0]))
 
 
 def test_the_model_grows_to_give_every_stage_a_layer() -> None:

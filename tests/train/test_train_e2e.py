@@ -64,12 +64,13 @@ def test_check_agrees_and_writes_timelines(tmp_path: Path) -> None:
 
 
 def test_a_csv_schedule_runs_with_the_runtime(tmp_path: Path) -> None:
+    """With clipping on, the check also compares each step's gradient norm with plain training's."""
     path = tmp_path / "mine.csv"
     build_schedule("1F1B", 2, 4).to_csv(path)
-    proc = _pipetrain(["--schedule", str(path), "--batch-size", "8", "--steps", "2", "--model", "tiny", "--check",
-                       "--out", str(tmp_path / "o")], tmp_path)  # fmt: skip
+    proc = _pipetrain(["--schedule", str(path), "--batch-size", "8", "--steps", "3", "--model", "tiny", "--check",
+                       "--clip-grad-norm", "0.05", "--out", str(tmp_path / "o")], tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "agree" in proc.stdout
+    assert "losses and gradient norms" in proc.stdout and ": agree" in proc.stdout, proc.stdout
 
 
 def test_two_torchrun_nodes_on_localhost(tmp_path: Path) -> None:

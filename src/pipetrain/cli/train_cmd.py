@@ -72,6 +72,13 @@ def register(subparsers: Any) -> None:
         help="model size (default %(default)s)",
     )
     train.add_argument("--lr", type=float, default=_DEFAULTS["lr"], help="Adam learning rate (default %(default)s)")
+    train.add_argument(
+        "--clip-grad-norm",
+        type=float,
+        default=None,
+        metavar="MAX",
+        help="clip the gradients to this norm of the whole model, taken across the pipeline's ranks (e.g. 1.0)",
+    )
     train.set_defaults(func=_train)
 
 
@@ -107,7 +114,10 @@ def _train(args: argparse.Namespace) -> int:
         check=args.check,
         model=args.model,
         lr=args.lr,
+        clip_grad_norm=args.clip_grad_norm,
     )
+    if args.clip_grad_norm is not None and not args.clip_grad_norm > 0:
+        raise PipelineError(f"--clip-grad-norm must be > 0, got {args.clip_grad_norm}")
     if args.batch_size < args.microbatches:
         raise PipelineError(f"--batch-size {args.batch_size} is smaller than --microbatches {args.microbatches}")
     if env is not None:

@@ -48,6 +48,7 @@ class TrainConfig:
     check: bool = False
     model: str = "small"
     lr: float = 3e-3
+    clip_grad_norm: float | None = None  # max norm of the whole model's gradients; None: no clipping
     max_text_bytes: int = 4 * 1024 * 1024
     timeout_s: float = 300.0
 
@@ -71,6 +72,8 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
     reference: list[float] | None = None
+    grad_norms: list[float] = field(default_factory=list)  # before clipping, when clipping
+    reference_grad_norms: list[float] | None = None
     eval_loss: float = float("nan")
     files: list[str] = field(default_factory=list)
 
@@ -137,12 +140,15 @@ def _train(env: DistEnv, cfg: TrainConfig, device: torch.device) -> TrainResult 
             t0 = time.perf_counter()
             origin = t0
             sched.step(*args, **kwargs)
+            norm = pipetrain.clip_grad_norm_(params, cfg.clip_grad_norm) if cfg.clip_grad_norm is not None else None
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             dt = time.perf_counter() - t0
             if reporting and result is not None and reporter is not None:
                 loss = float(torch.stack([torch.as_tensor(v).detach().float() for v in kwargs["losses"]]).mean())
                 result.losses.append(loss)
+                if norm is not None:
+                    result.grad_norms.append(float(norm))
                 result.step_times.append(dt)
                 reporter.update(step, loss, tokens / dt)
         measured = _gather_timeline(sched, env, origin)
@@ -167,7 +173,10 @@ def _train(env: DistEnv, cfg: TrainConfig, device: torch.device) -> TrainResult 
             result.files = write_outputs(Path(cfg.out), schedule, measured, result, cfg, tokens)
             _report_outputs(Path(cfg.out), result.files)
         if cfg.check:
-            result.reference = reference_losses(cfg, device, schedule.num_microbatches, num_stages)
+            result.reference_grad_norms = []
+            result.reference = reference_losses(
+                cfg, device, schedule.num_microbatches, num_stages, grad_norms=result.reference_grad_norms
+            )
             _report_check(result)
     dist.barrier()
     if reporting and result is not None and result.reference is not None and not _agrees(result):
@@ -225,12 +234,17 @@ def _gather_timeline(sched: Any, env: DistEnv, origin: float) -> Any:
 
 
 def reference_losses(
-    cfg: TrainConfig, device: torch.device, n_microbatches: int | None = None, num_stages: int = 1
+    cfg: TrainConfig,
+    device: torch.device,
+    n_microbatches: int | None = None,
+    num_stages: int = 1,
+    grad_norms: list[float] | None = None,
 ) -> list[float]:
     """The same model, init, data and optimizer trained without pipelining; one loss per step.
 
     The loss is the mean of the microbatch losses over the same split the pipeline uses, which
-    equals the whole-batch mean when the batch divides evenly.
+    equals the whole-batch mean when the batch divides evenly. With clipping, ``grad_norms``
+    (when given) receives each step's gradient norm before clipping.
     """
     mcfg = cfg.model_config_for(num_stages)
     torch.manual_seed(cfg.seed)
@@ -246,33 +260,57 @@ def reference_losses(
         chunks = list(zip(torch.tensor_split(logits, schedule_mb), torch.tensor_split(y, schedule_mb), strict=True))
         loss = torch.stack([lm_loss(lo, ta) for lo, ta in chunks if ta.numel()]).mean()
         loss.backward()
+        if cfg.clip_grad_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
+            if grad_norms is not None:
+                grad_norms.append(float(norm))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
     return losses
 
 
+def _pairs(result: TrainResult) -> list[tuple[str, list[float], list[float]]]:
+    """What --check compares: losses, and gradient norms when clipping."""
+    out = [("loss", result.losses, result.reference or [])]
+    if result.grad_norms or result.reference_grad_norms:
+        out.append(("gradient norm", result.grad_norms, result.reference_grad_norms or []))
+    return out
+
+
 def _agrees(result: TrainResult) -> bool:
-    ref = result.reference or []
-    return len(ref) == len(result.losses) and all(
-        math.isclose(a, b, rel_tol=CHECK_RTOL, abs_tol=0.0) for a, b in zip(result.losses, ref, strict=True)
+    return all(
+        len(ours) == len(ref)
+        and all(math.isclose(a, b, rel_tol=CHECK_RTOL, abs_tol=0.0) for a, b in zip(ours, ref, strict=True))
+        for _, ours, ref in _pairs(result)
     )
 
 
 def _report_check(result: TrainResult) -> None:
     ref = result.reference or []
-    worst = max((abs(a - b) / max(abs(b), 1e-12) for a, b in zip(result.losses, ref, strict=True)), default=0.0)
+    worst = max(
+        (
+            abs(a - b) / max(abs(b), 1e-12)
+            for _, ours, theirs in _pairs(result)
+            for a, b in zip(ours, theirs, strict=False)
+        ),
+        default=0.0,
+    )
     verdict = "agree" if _agrees(result) else "DISAGREE"
+    what = "losses and gradient norms" if len(_pairs(result)) > 1 else "losses"
     print(
         f"check: pipelined final loss {result.losses[-1]:.6f}, plain final loss {ref[-1]:.6f}; "
-        f"largest relative difference over {len(ref)} steps {worst:.2e} (tolerance {CHECK_RTOL:.0e}): {verdict}",
+        f"largest relative difference of the {what} over {len(ref)} steps {worst:.2e} "
+        f"(tolerance {CHECK_RTOL:.0e}): {verdict}",
         flush=True,
     )
 
 
 def _mismatch(result: TrainResult) -> str:
-    ref = result.reference or []
-    for step, (a, b) in enumerate(zip(result.losses, ref, strict=True)):
-        if not math.isclose(a, b, rel_tol=CHECK_RTOL, abs_tol=0.0):
-            return f"--check failed at step {step + 1}: pipelined loss {a:.6f} vs plain {b:.6f} (rtol {CHECK_RTOL:.0e})"
-    return f"--check failed: {len(result.losses)} pipelined losses vs {len(ref)} plain ones"
+    for what, ours, ref in _pairs(result):
+        for step, (a, b) in enumerate(zip(ours, ref, strict=False)):
+            if not math.isclose(a, b, rel_tol=CHECK_RTOL, abs_tol=0.0):
+                return f"--check failed at step {step + 1}: pipelined {what} {a:.6f} vs plain {b:.6f} (rtol {CHECK_RTOL:.0e})"
+        if len(ours) != len(ref):
+            return f"--check failed: {len(ours)} pipelined values of the {what} vs {len(ref)} plain ones"
+    return "--check failed"

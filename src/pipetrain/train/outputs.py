@@ -102,6 +102,7 @@ def write_outputs(
         "final_loss": result.losses[-1],
         "eval_loss": getattr(result, "eval_loss", None),
         "losses": result.losses,
+        "grad_norms": getattr(result, "grad_norms", []),
         "tokens_per_s_last": tokens_per_step / result.step_times[-1],
     }
     simulated = None
