@@ -17,7 +17,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from pipetrain import PipelineScheduleSingle, PipelineStage, get_schedule_class
+from pipetrain import PipelineScheduleSingle, PipelineStage, clip_grad_norm_, get_schedule_class
 from pipetrain.plan import build_schedule
 from pipetrain.train.data import TextData
 from pipetrain.train.model import GPT, GPTConfig, lm_loss
@@ -61,7 +61,8 @@ def main() -> None:
     single = issubclass(cls, PipelineScheduleSingle)
     schedule = cls(stages[0] if single else stages, args.microbatches, loss_fn=lm_loss)
 
-    optimizer = torch.optim.Adam([p for s in mine for p in parts[s].parameters()], lr=3e-3)
+    params = [p for s in mine for p in parts[s].parameters()]
+    optimizer = torch.optim.Adam(params, lr=3e-3)
     data = TextData.from_stdlib()
     first, last = 0 in mine, num_stages - 1 in mine
     for step in range(args.steps):
@@ -70,13 +71,16 @@ def main() -> None:
         inputs = (x.to(device),) if first else ()
         if last:
             schedule.step(*inputs, target=y.to(device), losses=losses)
-            print(f"step {step + 1}: loss {torch.stack(losses).mean().item():.4f}", flush=True)
         else:
             schedule.step(*inputs)
+        # 5. Clip by the whole model's gradient norm: every rank gets the same total.
+        norm = clip_grad_norm_(params, max_norm=1.0)
+        if last:
+            print(f"step {step + 1}: loss {torch.stack(losses).mean().item():.4f}, grad norm {norm:.3f}", flush=True)
         optimizer.step()
         optimizer.zero_grad()
 
-    # 5. Each rank saves the stages it holds; their keys are the whole model's keys.
+    # 6. Each rank saves the stages it holds; their keys are the whole model's keys.
     torch.save({k: v for s in mine for k, v in parts[s].state_dict().items()}, f"gpt_rank{rank}.pt")
     dist.destroy_process_group()
 

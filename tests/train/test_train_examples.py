@@ -38,7 +38,7 @@ def test_local_debug_matches_plain_training(capsys: pytest.CaptureFixture[str]) 
 def test_gpt_pipeline_under_torchrun(tmp_path: Path) -> None:
     proc = _torchrun("gpt_pipeline.py", ["--steps", "2"], tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "step 2: loss" in proc.stdout
+    assert "step 2: loss" in proc.stdout and ", grad norm " in proc.stdout
     assert sorted(p.name for p in tmp_path.glob("gpt_rank*.pt")) == ["gpt_rank0.pt", "gpt_rank1.pt"]
 
 
