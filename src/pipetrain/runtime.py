@@ -321,6 +321,8 @@ class _Program:
             events.append((action, t0, clock()))
             self.pos = i + 1
         self.action = None
+        if train and 0 in self.stages:
+            self.stages[0].backward_into_inputs()
         self.pos = n
 
     def _early_receives(self, actions: list[Action], profiling: bool) -> None:

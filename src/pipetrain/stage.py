@@ -41,6 +41,9 @@ class _Microbatch:
     out_needs_grad: list[bool] = field(default_factory=list)  # per output tensor leaf
     saved: SavedTensors | None = None
     plan: WeightGradPlan | None = None  # set by I, consumed by W
+    # First stage only: the caller's tensors behind ``inputs`` (a microbatch's view of a batch
+    # that requires grad, or a leaf such as a learnable scale), which get the input gradients.
+    origins: list[torch.Tensor] = field(default_factory=list)
 
 
 def _as_device(device: torch.device | str | int) -> torch.device:
@@ -86,6 +89,7 @@ class PipelineStage:
         self.track_saved_tensors = track_saved_tensors
         self.split_backward = split_backward
         self._mbs: dict[int, _Microbatch] = {}
+        self._origin_grads: list[tuple[torch.Tensor, torch.Tensor]] = []  # see backward_into_inputs
 
     @property
     def is_first(self) -> bool:
@@ -112,11 +116,22 @@ class PipelineStage:
         plain = not kwargs and all(isinstance(t, torch.Tensor) for t in args)  # skips pytree
         leaves, spec = (list(args), None) if plain else pytree.tree_flatten((tuple(args), kwargs))
         needed = [isinstance(t, torch.Tensor) and t.requires_grad for t in leaves]
-        # Cut inputs from any graph upstream: this stage's backward ends at its inputs.
-        leaves = [
-            t.detach().requires_grad_() if need and t.grad_fn is not None else t
-            for t, need in zip(leaves, needed, strict=True)
-        ]
+        origins = [t for t, need in zip(leaves, needed, strict=True) if need] if self.is_first else []
+        # Cut inputs from any graph upstream: this stage's backward ends at its inputs. A tensor
+        # given twice (a leaf handed over in memory, say) gets a leaf per place, so that each
+        # place's gradient goes back once; the first stage's inputs are always cut, and their
+        # gradients go to the caller's tensors after backward.
+        if any(needed):
+            seen: set[int] = set()
+            cut = []
+            for t, need in zip(leaves, needed, strict=True):
+                if need and (t.grad_fn is not None or id(t) in seen or self.is_first):
+                    cut.append(t.detach().requires_grad_())
+                else:
+                    cut.append(t)
+                if need:
+                    seen.add(id(t))
+            leaves = cut
         if plain:
             args = tuple(leaves)
         else:
@@ -139,6 +154,7 @@ class PipelineStage:
             outputs=out_tensors,
             out_needs_grad=[t.requires_grad for t in out_tensors],
             saved=saved,
+            origins=origins,
         )
         return output
 
@@ -177,6 +193,8 @@ class PipelineStage:
                 result, state.plan = backward_input(edges, grads, state.inputs, state.saved)
         except RuntimeError as exc:
             raise PipelineError(f"{self._where(mb, kind)}: backward failed: {exc}") from exc
+        if state.origins:
+            self._to_origins(mb, kind, state.origins, result)
         if full:
             self._drop(mb)
         else:
@@ -223,6 +241,24 @@ class PipelineStage:
             )
         return list(state.output_edges), list(grad_outputs)
 
+    def _to_origins(self, mb: int, kind: str, origins: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
+        self._origin_grads.extend((t, g) for t, g in zip(origins, grads, strict=True) if g is not None)
+
+    def backward_into_inputs(self) -> None:
+        """First stage, end of a training step: carry the gradients its inputs got on into the
+        tensors given to ``step()`` (and any graph that made them), in one backward call, as plain
+        autograd's one backward over the batch would; a graph shared by the microbatches is thus
+        traversed once. The runtimes call it; nothing to do when no input requires grad."""
+        pairs, self._origin_grads = self._origin_grads, []
+        if not pairs:
+            return
+        try:
+            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        except RuntimeError as exc:
+            raise PipelineError(
+                f"stage {self.stage_index}: backward into the inputs given to step() failed: {exc}"
+            ) from exc
+
     # ------------------------------------------------------------------- memory
     def free_output_storage(self, mb: int) -> None:
         """Release the storage of ``mb``'s outputs (after they were sent); their autograd nodes stay.
@@ -247,6 +283,7 @@ class PipelineStage:
         """Drop every microbatch's state (end of step, or after an error)."""
         for mb in list(self._mbs):
             self._drop(mb)
+        self._origin_grads = []
 
     def scale_grads(self, factor: float) -> None:
         """Divide every parameter gradient by ``factor`` (once per step, e.g. n_microbatches)."""

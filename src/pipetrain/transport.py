@@ -99,11 +99,17 @@ class Layout:
     single: tuple[torch.dtype, int, tuple[int, ...], tuple[int, ...], int] | None = field(
         default=None, init=False, compare=False, repr=False
     )
+    # Structure and plain values as bytes, taken when first asked (see _same); b"" if unpicklable.
+    fingerprint: bytes | None = field(default=None, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if len(self.plain) == len(self.tensors) and all(p is _TENSOR for p in self.plain):
             kind = self.spec.type if not self.spec.is_leaf() else torch.Tensor
-            if kind is torch.Tensor or (kind in (list, tuple) and self.spec.num_children == len(self.tensors)):
+            n = len(self.tensors)
+            # A flat list or tuple: every child a leaf (a nested container would add nodes).
+            if kind is torch.Tensor or (
+                kind in (list, tuple) and self.spec.num_children == n == self.spec.num_nodes - 1
+            ):
                 object.__setattr__(self, "simple", kind)
             if kind is torch.Tensor:
                 dtype, shape, _ = self.tensors[0]
@@ -175,21 +181,35 @@ def layout_of(obj: Any) -> tuple[Layout, list[torch.Tensor]]:
     return Layout(spec, tuple(plain), tuple(specs)), tensors
 
 
+def _fingerprint(layout: Layout) -> bytes:
+    """``layout``'s structure and plain values as bytes, computed once (b"" when unpicklable).
+
+    Bytes rather than ``==``: a plain value the caller changed in place since it was sent (an
+    array, a config object) must count as changed, and so must equal values of other types
+    (``1``, ``1.0``, ``True``, also as dict keys), which the receiver would rebuild as the old ones.
+    """
+    cached = layout.fingerprint
+    if cached is None:
+        try:
+            cached = pickle.dumps((layout.spec, layout.plain), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:  # sending it fails later, with the reason
+            cached = b""
+        object.__setattr__(layout, "fingerprint", cached)
+    return cached
+
+
 def _same(a: Layout, b: Layout) -> bool:
-    """Whether a receiver expecting layout ``a`` can take a message of layout ``b`` as is."""
-    if a.tensors != b.tensors or a.spec != b.spec or len(a.plain) != len(b.plain):
+    """Whether a receiver expecting layout ``a`` (fingerprinted when sent) can take a message of layout ``b`` as is."""
+    if a.tensors != b.tensors or len(a.plain) != len(b.plain):
         return False
-    try:
-        # Equal values of different types (1, 1.0, True) are different messages.
-        return all(x is y or (type(x) is type(y) and bool(x == y)) for x, y in zip(a.plain, b.plain, strict=True))
-    except Exception:  # values without a plain truth value (arrays, ...): resend the layout
-        return False
+    fa = _fingerprint(a)
+    return bool(fa) and fa == _fingerprint(b)
 
 
 def rebuild(layout: Layout, tensors: list[torch.Tensor]) -> Any:
     """Inverse of :func:`layout_of`; received tensors that needed grad become leaves needing grad."""
     for t, (_, _, rg) in zip(tensors, layout.tensors, strict=True):
-        if rg and t.is_floating_point():
+        if rg and (t.is_floating_point() or t.is_complex()):
             t.requires_grad_(True)
     simple = layout.simple
     if simple is torch.Tensor:
@@ -518,6 +538,7 @@ class DistTransport:
         ops.append((True, notice, item.peer, _TAG_STEADY))
         ops.append((True, encoded, item.peer, self._tag_new))
         ops.append((True, payload, item.peer, self._tag_new))
+        _fingerprint(layout)  # now: the plain values as sent, before the caller may change them
         self._sent[item.key] = layout
         return [notice, encoded, payload]
 
