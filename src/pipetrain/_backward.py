@@ -14,9 +14,11 @@ from that kept gradient, asking autograd for weight gradients only, so autograd 
 entries' weight edges and the weight region: I's work is not redone.
 
 Entries whose weight regions touch (a weight shared between them) are run in one engine call, so
-shared nodes run once. If one entry of such a group can reach another through ``X`` (a weight used
-twice along one path, e.g. tied weights), that call would also push gradients along ``X``; a
-pre-hook then pins every entry of the group to its kept gradient, which keeps the result exact.
+shared nodes run once. In W a pre-hook pins every entry to its kept gradient: the kept gradient
+already went through the entry's tensor hooks (``Tensor.register_hook`` on an intermediate, run
+before node pre-hooks), which must not apply twice; and if one entry of a group can reach another
+through ``X`` (a weight used twice along one path, e.g. tied weights), the call also pushes
+gradients along ``X``, and the pins keep the result exact.
 
 Memory: saved tensors of one microbatch go through :class:`SavedTensors`. After I, the ones only
 ``X`` nodes outside the entries used are released, so between I and W a microbatch keeps just
@@ -129,8 +131,8 @@ class _Group:
     edges: list[GradientEdge] = field(default_factory=list)
     grads: list[torch.Tensor] = field(default_factory=list)
     weights: list[torch.Tensor] | None = field(default_factory=list)  # None: every leaf reached
-    pins: list[tuple[Node, tuple[torch.Tensor | None, ...]]] = field(default_factory=list)
-    needs_pins: bool = False
+    pins: list[tuple[Node, tuple[torch.Tensor | None, ...]]] = field(default_factory=list)  # entry, kept grads
+    needs_pins: bool = False  # an entry reaches another through X: W walks X again (see module docs)
 
 
 @dataclass
@@ -408,9 +410,9 @@ def backward_input(
         if grads_in is None or not _nonempty(grads_in):
             continue
         group = groups.setdefault(analysis.group_of[idx], _Group())
+        group.pins.append((node, grads_in))
         if analysis.group_of[idx] in analysis.pinned_groups:
             group.needs_pins = True
-            group.pins.append((node, grads_in))
         for slot, grad in enumerate(grads_in):
             if grad is not None:
                 group.edges.append(GradientEdge(node, slot))
@@ -439,10 +441,9 @@ def backward_weight(plan: WeightGradPlan) -> None:
     """W: weight grads from what I kept; they accumulate into ``.grad`` like plain autograd."""
     last = len(plan.groups) - 1
     for i, group in enumerate(plan.groups):
-        handles = []
-        if group.needs_pins:
-            for node, grads_in in group.pins:
-                handles.append(node.register_prehook(lambda _g, kept=grads_in: kept))
+        # Every entry is pinned to what it received in I, which its tensor hooks (Tensor.register_hook
+        # on an intermediate) already changed: they run before node pre-hooks, and would run again.
+        handles = [node.register_prehook(lambda _g, kept=grads_in: kept) for node, grads_in in group.pins]
         try:
             _run_engine(group.edges, group.grads, group.weights or (), keep_graph=i != last, accumulate=True)
         finally:

@@ -375,14 +375,28 @@ class _Program:
             s, m = action.stage, action.microbatch
             assert m is not None
             kind = action.kind
+            # No local keeps the sent object: once packed, a sent output may be freed (see free_output_storage).
             if kind is _K.SEND_F:
-                obj = self._pop(self.to_send_f, (s, m), action, "no forward output to send (did F run?)")
                 stage = self.stages[s]
                 done = (lambda st=stage, mb=m: st.free_output_storage(mb)) if self.train else None
-                items.append(SendItem(("F", s, m), self.stage_to_rank[s + 1], obj, f"{action}", done))
+                items.append(
+                    SendItem(
+                        ("F", s, m),
+                        self.stage_to_rank[s + 1],
+                        self._pop(self.to_send_f, (s, m), action, "no forward output to send (did F run?)"),
+                        f"{action}",
+                        done,
+                    )
+                )
             elif kind is _K.SEND_B:
-                obj = self._pop(self.to_send_b, (s, m), action, "no input gradient to send (did B or I run?)")
-                items.append(SendItem(("B", s, m), self.stage_to_rank[s - 1], obj, f"{action}"))
+                items.append(
+                    SendItem(
+                        ("B", s, m),
+                        self.stage_to_rank[s - 1],
+                        self._pop(self.to_send_b, (s, m), action, "no input gradient to send (did B or I run?)"),
+                        f"{action}",
+                    )
+                )
             elif kind is _K.RECV_F:
                 items.append(
                     RecvItem(("F", s - 1, m), self.stage_to_rank[s - 1], f"{action} (output of stage {s - 1})")
@@ -459,7 +473,8 @@ class _Program:
                     if self.loss_kwargs
                     else self.loss_fn(output, target)
                 )
-                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                # Backward needs a scalar; eval keeps whatever loss_fn gives (per-sample losses, say), as torch does.
+                if self.train and (not isinstance(loss, torch.Tensor) or loss.numel() != 1):
                     raise PipelineError(f"{self.where()}: loss_fn must return a scalar tensor, got {loss!r}")
                 self.losses[m] = loss
             if self.keep_outputs:
@@ -866,8 +881,10 @@ class PipelineScheduleRuntime:
             key[0] += 1  # the n-th first step on a group is collective, so every rank counts alike
             prefix = f"pipetrain/{failure.namespace}/plan/{key[0]}/"
             mine = _summary(schedule)
+            # Sizes and messages must agree; names may not (the same CSV saved under two names).
+            sizes = f"{schedule.num_ranks},{schedule.num_stages},{schedule.num_microbatches}"
             try:
-                failure.store.set(f"{prefix}{self.rank}", f"{mine}#{_messages_hash(schedule, self.rank)}")
+                failure.store.set(f"{prefix}{self.rank}", f"{mine}#{sizes}#{_messages_hash(schedule, self.rank)}")
                 ready = failure.store.check([f"{prefix}{self.rank}"])
             except Exception:  # a store without set/check (a fake backend's): nothing to compare with
                 ready = False
@@ -876,8 +893,8 @@ class PipelineScheduleRuntime:
                 return
             theirs = _wait_keys(failure, [f"{prefix}{p}" for p in peers], self.timeout, self.poll_interval, self._where)
             for peer, value in zip(peers, theirs, strict=True):
-                summary, _, digest = value.rpartition("#")
-                if summary != mine:
+                summary, their_sizes, digest = value.rsplit("#", 2)
+                if their_sizes != sizes:
                     raise PipelineError(
                         f"{self._where()}: the ranks built different schedules: this rank runs {mine}, "
                         f"rank {peer} runs {summary}"

@@ -7,6 +7,7 @@ microbatch it keeps only what backward needs and drops it as soon as the last ba
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -37,13 +38,23 @@ class _Microbatch:
     inputs: list[torch.Tensor]  # input leaves that require grad, pytree order
     needed: list[bool]  # per flattened input leaf: does it get a gradient back
     output_edges: list[GradientEdge]  # per output leaf that requires grad, pytree order
-    outputs: list[torch.Tensor] = field(default_factory=list)  # output tensors (for freeing storage)
+    outputs: list[torch.Tensor] = field(default_factory=list)  # output tensors, until sent (free_output_storage)
     out_needs_grad: list[bool] = field(default_factory=list)  # per output tensor leaf
     saved: SavedTensors | None = None
     plan: WeightGradPlan | None = None  # set by I, consumed by W
     # First stage only: the caller's tensors behind ``inputs`` (a microbatch's view of a batch
     # that requires grad, or a leaf such as a learnable scale), which get the input gradients.
     origins: list[torch.Tensor] = field(default_factory=list)
+
+
+def _refs_of_a_list_item() -> int:
+    """``sys.getrefcount`` of an object that only a list being iterated holds, on this interpreter."""
+    for item in [object()]:
+        return sys.getrefcount(item)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+_HELD_BY_LIST_ONLY = _refs_of_a_list_item()
 
 
 def _as_device(device: torch.device | str | int) -> torch.device:
@@ -260,24 +271,29 @@ class PipelineStage:
             ) from exc
 
     # ------------------------------------------------------------------- memory
-    def free_output_storage(self, mb: int) -> None:
-        """Release the storage of ``mb``'s outputs (after they were sent); their autograd nodes stay.
+    def free_output_storage(self, mb: int) -> int:
+        """Drop this stage's references to ``mb``'s outputs once they were sent: their memory goes
+        back now instead of at the microbatch's backward. Returns the bytes that released.
 
-        Only tensors this forward computed are freed, and only when autograd did not save them for
-        backward (then backward needs the data). Without saved-tensor tracking nothing is freed.
+        Backward needs only the outputs' autograd edges, which the stage keeps. An output's memory
+        stays when backward needs it (autograd saved it) or something else holds the tensor (a
+        custom ``autograd.Function`` keeping it on ``ctx``, the module itself): dropping a
+        reference is always safe, unlike emptying the tensor in place, which would break those.
+        Bytes are counted with saved-tensor tracking only (without it, what autograd saved is unknown).
         """
         state = self._mbs.get(mb)
-        if state is None or state.saved is None:
-            return
-        keep = state.saved.storage_ptrs()
-        keep.update(t.untyped_storage().data_ptr() for t in state.inputs)
-        for t in state.outputs:
-            if t.grad_fn is None or t._base is not None or t.untyped_storage().data_ptr() in keep:
-                continue
-            if t.untyped_storage().nbytes() == 0:
-                continue
-            t.data = torch.empty((0,), dtype=t.dtype, device=t.device)
+        if state is None:
+            return 0
+        released = 0
+        if state.saved is not None:
+            keep = state.saved.storage_ptrs()
+            keep.update(t.untyped_storage().data_ptr() for t in state.inputs)
+            for t in state.outputs:
+                alone = sys.getrefcount(t) <= _HELD_BY_LIST_ONLY
+                if alone and t._base is None and t.untyped_storage().data_ptr() not in keep:
+                    released += t.untyped_storage().nbytes()
         state.outputs = []
+        return released
 
     def clear(self) -> None:
         """Drop every microbatch's state (end of step, or after an error)."""

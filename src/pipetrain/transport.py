@@ -511,7 +511,7 @@ class DistTransport:
         return works
 
     def _send_ops(self, item: SendItem, ops: list[_Op]) -> list[torch.Tensor]:
-        obj = item.obj
+        obj, item.obj = item.obj, None  # packed below: the message keeps no reference to the output
         sig = _signature(obj)
         old = self._sent.get(item.key)
         if sig is not None and old is not None and self._sent_sig.get(item.key) == sig:

@@ -255,6 +255,23 @@ def _disagreements(rank: int, world: int) -> dict[str, tuple[str, float]]:
     sched = Schedule1F1B(PipelineStage(module, rank, world, "cpu", group=group), 4, loss_fn=loss, timeout=60)
     sched.step(*args, **kw)
     out["ddp beside no parameters"] = ("trained", 0.0)
+
+    # 7. One schedule read from a file of another name on each rank: names may differ, sizes and
+    #    messages agree, so they train.
+    import os
+    import tempfile
+
+    from pipetrain import PipelineScheduleRuntime
+    from pipetrain.plan import Schedule, build_schedule
+
+    group = dist.new_group(backend="gloo")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, f"mine_on_rank{rank}.csv")
+        build_schedule("1F1B", world, 4).to_csv(path)
+        plan = Schedule.from_csv(path)
+    assert plan.name == f"mine_on_rank{rank}", plan.name
+    PipelineScheduleRuntime([stage(group, rank)], plan, loss_fn=loss, timeout=60).step(*args, **kw)
+    out["same schedule, other names"] = ("trained", 0.0)
     return out
 
 
@@ -276,6 +293,7 @@ def test_disagreeing_ranks_shape_changes_and_dead_groups_are_named() -> None:
         msg, _ = res["uneven, unrelated failure"]
         assert "rank 1, step 0, action 1F2: ValueError: bug in the module" in msg and "shapes" not in msg, msg
         assert res["ddp beside no parameters"][0] == "trained"
+        assert res["same schedule, other names"][0] == "trained"
 
 
 def _peer_exits(rank: int, world: int) -> tuple[str, float]:

@@ -147,6 +147,26 @@ def test_torch_call_patterns_loss_kwargs_eval_losses_and_no_grad() -> None:
     torch.testing.assert_close(forward.step(x), h.detach())
 
 
+def test_eval_keeps_per_sample_losses_and_step_needs_a_scalar() -> None:
+    """As in torch, eval fills ``losses`` with whatever loss_fn returns; backward needs a scalar."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 4) for _ in range(2)]
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+
+    def per_sample(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(out, target, reduction="none").mean(-1)
+
+    pipe = LocalPipeline(layers, "1F1B", n_microbatches=4, loss_fn=per_sample)
+    losses: list[torch.Tensor] = []
+    pipe.eval(x, target=y, losses=losses)
+    with torch.no_grad():
+        want = per_sample(layers[1](layers[0](x)), y)
+    torch.testing.assert_close(torch.cat(losses), want)
+    assert [tuple(t.shape) for t in losses] == [(2,)] * 4
+    with pytest.raises(PipelineError, match="rank 1, step 1, action 1F0: loss_fn must return a scalar tensor"):
+        pipe.step(x, target=y)
+
+
 def test_uneven_microbatches_give_whole_batch_gradients_with_a_summed_loss() -> None:
     """The guide's recipe: with 10 rows in 3, 3, 2, 2, a mean per microbatch weighs rows unevenly;
     summing and dividing by the batch size, with scale_grads=False, is whole-batch training."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -81,6 +82,20 @@ class TiedTwice(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lin(torch.tanh(self.lin(x)))
+
+
+class Hooked(nn.Module):
+    """A gradient hook on an intermediate (gradient scaling, gradient reversal): applied once."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if h.requires_grad:
+            h.register_hook(lambda g: g * 0.5)
+        return self.b(torch.tanh(h))
 
 
 class SharedParallel(nn.Module):
@@ -241,6 +256,7 @@ ORDERS = {
         ("checkpointed-reentrant", lambda: Checkpointed(reentrant=True), _block_batches),
         ("tied-twice", TiedTwice, _mlp_batches),
         ("shared-parallel", SharedParallel, _mlp_batches),
+        ("hooked", Hooked, _mlp_batches),
     ],
 )
 def test_gradients_match_autograd(name: str, factory: Callable[[], nn.Module], batches: Any, order: str) -> None:
@@ -298,14 +314,60 @@ def test_free_output_storage_frees_unsaved_outputs_only() -> None:
     x = torch.randn(4, 8, requires_grad=True)
     linear_last = PipelineStage(nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8)), 1, 3, "cpu")
     out = linear_last.forward_one_chunk(0, (x,))
-    linear_last.free_output_storage(0)
-    assert out.untyped_storage().nbytes() == 0  # nothing saved it: freed
+    held = linear_last.forward_one_chunk(1, (x,))
+    nbytes = out.untyped_storage().nbytes()
+    out_ref = weakref.ref(out)
+    del out  # as the runtime holds it after sending: not at all
+    assert linear_last.free_output_storage(0) == nbytes
+    assert out_ref() is None  # nothing saved it, nothing holds it: gone
+    # A tensor someone else holds (here the caller; a custom Function's ctx, a hook) is kept.
+    assert linear_last.free_output_storage(1) == 0 and held.untyped_storage().nbytes() == nbytes
     # ReLU saves its result for backward, so that output must keep its data.
     relu_last = PipelineStage(nn.Sequential(nn.Linear(8, 8), nn.ReLU()), 1, 3, "cpu")
     out2 = relu_last.forward_one_chunk(0, (x,))
     before = out2.detach().clone()
     relu_last.free_output_storage(0)
     torch.testing.assert_close(out2.detach(), before)
+
+
+class _TanhKeepsOutputOnCtx(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(x)
+        ctx.y = y  # kept outside autograd's saved tensors
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * (1 - ctx.y * ctx.y)
+
+
+class _KeepsOutput(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.lin, self.how = nn.Linear(8, 8), how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.how == "ctx":
+            return _TanhKeepsOutputOnCtx.apply(self.lin(x))  # type: ignore[no-any-return]
+        with torch.autograd.graph.save_on_cpu():  # its own saved-tensor hooks: ours never see tanh's save
+            return torch.tanh(self.lin(x))
+
+
+@pytest.mark.parametrize("how", ["ctx", "save_on_cpu"])
+def test_outputs_backward_needs_outside_our_hooks_are_not_freed(how: str) -> None:
+    torch.manual_seed(0)
+    module = _KeepsOutput(how)
+    plain = copy.deepcopy(module)
+    x = torch.randn(4, 8, requires_grad=True)
+    stage = PipelineStage(module, 1, 3, "cpu")
+    out = stage.forward_one_chunk(0, (x,))
+    grad = torch.randn_like(out)
+    del out  # sent: only the stage (and whatever the module keeps) holds it
+    assert stage.free_output_storage(0) == 0
+    stage.backward_one_chunk(0, grad_outputs=[grad])
+    plain(x).backward(grad)
+    torch.testing.assert_close([p.grad for p in module.parameters()], [p.grad for p in plain.parameters()])
 
 
 @pytest.mark.parametrize("order", list(ORDERS))
