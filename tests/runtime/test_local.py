@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 import weakref
 
@@ -145,6 +146,25 @@ def test_torch_call_patterns_loss_kwargs_eval_losses_and_no_grad() -> None:
     forward = LocalPipeline(layers, "Interleaved1F1B", n_microbatches=4, num_ranks=2)
     assert forward.step(x, return_outputs=False) is None
     torch.testing.assert_close(forward.step(x), h.detach())
+
+
+@pytest.mark.parametrize("name", ["GPipe", "ZBVZeroBubble"])
+def test_gradients_accumulate_across_steps_as_in_plain_autograd(name: str) -> None:
+    """Two steps without zeroing: the sum of two steps' gradients (torch's schedules divide the
+    whole accumulated ``.grad`` by the number of microbatches at every step instead)."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 4) for _ in range(4 if name == "ZBVZeroBubble" else 2)]
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    plain = nn.Sequential(*[copy.deepcopy(layer) for layer in layers])
+    for _ in range(2):
+        torch.stack(
+            [nn.functional.mse_loss(plain(a), b) for a, b in zip(x.tensor_split(4), y.tensor_split(4), strict=True)]
+        ).mean().backward()
+    pipe = LocalPipeline(layers, name, n_microbatches=4, loss_fn=nn.functional.mse_loss, num_ranks=2)
+    for _ in range(2):
+        pipe.step(x, target=y)
+    for p, q in zip([p for layer in layers for p in layer.parameters()], plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
 
 
 def test_eval_keeps_per_sample_losses_and_step_needs_a_scalar() -> None:
