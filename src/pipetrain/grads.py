@@ -69,7 +69,10 @@ def _combine(shares: list[torch.Tensor], norm_type: float) -> torch.Tensor:
 
 
 def _grads(parameters: torch.Tensor | Iterable[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    """The parameters, each once, and their gradients. A weight tied between two stages of one
+    rank (embedding and head under a V placement) comes twice from the stages' ``parameters()``;
+    counted twice it would weigh double in the norm and be scaled twice."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(dict.fromkeys(parameters))
     return params, [p.grad for p in params if p.grad is not None]
 
 

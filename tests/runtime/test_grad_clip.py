@@ -41,7 +41,8 @@ def _clip_cases(rank: int, world: int) -> list[str]:
                 local = [copy.deepcopy(layers[s]) for s in mine]
                 stages = [PipelineStage(mod, s, num_stages, "cpu") for mod, s in zip(local, mine, strict=True)]
                 sched = get_schedule_class(name)(stages if v > 1 else stages[0], m, loss_fn=nn.functional.mse_loss)
-                sched.step(*((x,) if 0 in mine else ()), target=y if num_stages - 1 in mine else None)
+                assert (sched.has_first_stage, sched.has_last_stage) == (0 in mine, num_stages - 1 in mine)
+                sched.step(*((x,) if sched.has_first_stage else ()), target=y if sched.has_last_stage else None)
                 params = [p for mod in local for p in mod.parameters()]
                 case = f"{name} norm {norm_type:g} no-params={no_params_on_last_rank}"
                 torch.testing.assert_close(grad_norm(params, norm_type), want_norm, msg=lambda e, c=case: f"{c}: {e}")
@@ -92,3 +93,17 @@ def test_without_a_process_group_it_is_torchs_clipping() -> None:
     for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad)
     assert float(clip_grad_norm_([nn.Parameter(torch.zeros(1))], 1.0)) == 0.0  # no gradients at all
+
+
+def test_a_weight_tied_between_two_stages_of_a_rank_counts_once() -> None:
+    """Under a V placement the embedding (stage 0) and the head (last stage) share rank 0: the
+    stages' parameters list the tied weight twice."""
+    torch.manual_seed(0)
+    tied = nn.Parameter(torch.randn(3, 3))
+    tied.grad = torch.ones(3, 3)
+    other = nn.Parameter(torch.randn(3))
+    other.grad = torch.full((3,), 2.0)
+    assert float(grad_norm([tied, other, tied])) == pytest.approx((9 * 1.0 + 3 * 4.0) ** 0.5)
+    clip_grad_norm_([tied, other, tied], 1.0)
+    total = torch.cat([tied.grad.flatten(), other.grad]).norm()
+    assert float(total) == pytest.approx(1.0, rel=1e-5)  # scaled once, to the limit
