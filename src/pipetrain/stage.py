@@ -77,6 +77,10 @@ class PipelineStage:
     ``split_backward=False`` makes I do the full backward (W then does nothing): for modules whose
     weight gradients cannot be deferred. It happens automatically for graphs that cannot be split
     (``torch.compile``'d regions, reentrant checkpointing) on the way to an input.
+
+    Driving a first stage by hand (not through a schedule) with inputs made by a graph that
+    requires grad: call :meth:`backward_into_inputs` once the step's backwards ran, as the
+    runtimes do; until then the stage keeps those inputs' gradients.
     """
 
     def __init__(
@@ -253,7 +257,22 @@ class PipelineStage:
         return list(state.output_edges), list(grad_outputs)
 
     def _to_origins(self, mb: int, kind: str, origins: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
-        self._origin_grads.extend((t, g) for t, g in zip(origins, grads, strict=True) if g is not None)
+        """Leaves (a learnable scale) take their gradient now; tensors a graph made wait for
+        :meth:`backward_into_inputs`, so that a graph the microbatches share is traversed once."""
+        leaves = [(t, g) for t, g in zip(origins, grads, strict=True) if g is not None and t.grad_fn is None]
+        if leaves:
+            self._into(leaves)
+        self._origin_grads.extend(
+            (t, g) for t, g in zip(origins, grads, strict=True) if g is not None and t.grad_fn is not None
+        )
+
+    def _into(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        try:
+            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        except RuntimeError as exc:
+            raise PipelineError(
+                f"stage {self.stage_index}: backward into the inputs given to step() failed: {exc}"
+            ) from exc
 
     def backward_into_inputs(self) -> None:
         """First stage, end of a training step: carry the gradients its inputs got on into the
@@ -261,14 +280,8 @@ class PipelineStage:
         autograd's one backward over the batch would; a graph shared by the microbatches is thus
         traversed once. The runtimes call it; nothing to do when no input requires grad."""
         pairs, self._origin_grads = self._origin_grads, []
-        if not pairs:
-            return
-        try:
-            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
-        except RuntimeError as exc:
-            raise PipelineError(
-                f"stage {self.stage_index}: backward into the inputs given to step() failed: {exc}"
-            ) from exc
+        if pairs:
+            self._into(pairs)
 
     # ------------------------------------------------------------------- memory
     def free_output_storage(self, mb: int) -> int:

@@ -652,3 +652,26 @@ def test_errors_name_stage_microbatch_and_action() -> None:
         stage.backward_one_chunk(0, grad_outputs=[torch.ones(5, 8)], full=False)
     with pytest.raises(PipelineError, match="outside"):
         PipelineStage(mlp(), 3, 3, "cpu")
+
+
+@pytest.mark.parametrize("full", [True, False])
+def test_first_stage_by_hand_gives_input_gradients(full: bool) -> None:
+    """Leaf inputs get their gradient at once; inputs a graph made wait for backward_into_inputs
+    (one backward through a graph the microbatches share), so nothing piles up across steps."""
+    torch.manual_seed(0)
+    module = nn.Linear(4, 4)
+    stage = PipelineStage(module, 0, 2, "cpu")
+    leaf = torch.randn(2, 4, requires_grad=True)
+    made_from = torch.randn(4, 4, requires_grad=True)
+    made = made_from * 2  # a graph both microbatches share
+    for mb, x in enumerate((leaf, made[:2])):
+        out = stage.forward_one_chunk(mb, (x,))
+        stage.backward_one_chunk(mb, grad_outputs=[torch.ones_like(out)], full=full)
+        if not full:
+            stage.backward_weight_one_chunk(mb)
+    want = torch.ones(2, 4) @ module.weight
+    torch.testing.assert_close(leaf.grad, want)
+    assert made_from.grad is None  # waits for the end of the step
+    stage.backward_into_inputs()
+    torch.testing.assert_close(made_from.grad[:2], 2 * want)
+    assert not stage._origin_grads

@@ -55,7 +55,7 @@ def test_changing_layouts_match_with_and_without_tags(single_tag: bool) -> None:
     assert results == [0, 15]
 
 
-@pytest.mark.parametrize("old, new", [(1, True), (1, 1.0), (0, False), ("1", 1)])
+@pytest.mark.parametrize("old, new", [(1, True), (1, 1.0), (0, False)])
 def test_a_plain_value_of_another_type_is_a_new_layout(old: object, new: object) -> None:
     """1 and True compare equal, but a receiver rebuilding the old layout would hand over 1."""
     from pipetrain.transport import _same, layout_of
