@@ -259,12 +259,16 @@ class PipelineStage:
     def _to_origins(self, mb: int, kind: str, origins: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
         """Leaves (a learnable scale) take their gradient now; tensors a graph made wait for
         :meth:`backward_into_inputs`, so that a graph the microbatches share is traversed once."""
-        leaves = [(t, g) for t, g in zip(origins, grads, strict=True) if g is not None and t.grad_fn is None]
+        leaves: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for t, g in zip(origins, grads, strict=True):
+            if g is None:
+                continue
+            if t.grad_fn is None:
+                leaves.append((t, g))
+            else:
+                self._origin_grads.append((t, g))
         if leaves:
             self._into(leaves)
-        self._origin_grads.extend(
-            (t, g) for t, g in zip(origins, grads, strict=True) if g is not None and t.grad_fn is not None
-        )
 
     def _into(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -51,3 +52,11 @@ def reference(
     with torch.no_grad():
         out = model(x)
     return list(model), [loss.detach() for loss in losses], out
+
+
+def assert_grads_equal(stages: Mapping[int, nn.Module], ref: Sequence[nn.Module], case: str) -> None:
+    """Every parameter gradient of ``stages`` (stage index -> this rank's module) equals that of
+    the reference's module for the same stage."""
+    for s, mod in stages.items():
+        for (name, p), q in zip(mod.named_parameters(), ref[s].parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, msg=lambda e, n=f"{case}: stage {s} {name}": f"{n}: {e}")

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from _dist import run_ranks
+from _models import assert_grads_equal
 from torch import nn
 
 from pipetrain import LocalPipeline, PipelineStage, get_schedule_class
@@ -198,9 +199,7 @@ def _over_gloo(rank: int, world: int) -> list[str]:
             case = f"{name} scale {scale}"
             if 0 in mine:
                 torch.testing.assert_close(x_in.grad, x_ref.grad, msg=lambda e, c=case: f"{c} x.grad: {e}")
-            for mod, s in zip(mods, mine, strict=True):
-                for (pname, p), q in zip(mod.named_parameters(), ref[s].parameters(), strict=True):
-                    torch.testing.assert_close(p.grad, q.grad, msg=lambda e, c=case, n=f"{s}.{pname}": f"{c} {n}: {e}")
+            assert_grads_equal(dict(zip(mine, mods, strict=True)), ref, case)
             done.append(case)
     return done
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 from _dist import run_ranks
-from _models import make_batch, mlp_layers, reference
+from _models import assert_grads_equal, make_batch, mlp_layers, reference
 from torch import nn
 
 from pipetrain import clip_grad_norm_, grad_norm
@@ -48,9 +48,7 @@ def _clip_cases(rank: int, world: int) -> list[str]:
                 torch.testing.assert_close(grad_norm(params, norm_type), want_norm, msg=lambda e, c=case: f"{c}: {e}")
                 got_norm = clip_grad_norm_(params, 0.05, norm_type)
                 torch.testing.assert_close(got_norm, want_norm, msg=lambda e, c=case: f"{c}: {e}")
-                for mod, s in zip(local, mine, strict=True):
-                    for p, q in zip(mod.parameters(), ref_layers[s].parameters(), strict=True):
-                        torch.testing.assert_close(p.grad, q.grad, msg=lambda e, c=case, s=s: f"{c} stage {s}: {e}")
+                assert_grads_equal(dict(zip(mine, local, strict=True)), ref_layers, case)
                 done.append(case)
     return done
 

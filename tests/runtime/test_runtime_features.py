@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 from _dist import run_ranks
+from _models import assert_grads_equal
 from torch import nn
 
 pytestmark = pytest.mark.slow
@@ -147,11 +148,7 @@ def _features(rank: int, world: int, single_tag: bool) -> list[str]:
                 assert out is None
             assert not any(st.has_state() for st in stages)
         case = f"{name} {sizes}"
-        for s in mine:
-            for (pname, p), q in zip(mods[s].named_parameters(), ref[s].parameters(), strict=True):
-                torch.testing.assert_close(
-                    p.grad, q.grad, msg=lambda e, c=case, s=s, n=pname: f"{c}: stage {s} {n}: {e}"
-                )
+        assert_grads_equal({s: mods[s] for s in mine}, ref, case)
         assert sum(freed) > 0, f"{case}: no sent output was freed ({freed})"
         gc.collect()
         assert all(ref() is None for ref in seen), f"{case}: a microbatch tensor outlived its step"
