@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import pytest
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from pipetrain.split import (
+    LayerStage,
     layer_times,
     parameter_counts,
     partition_balanced,
@@ -115,3 +117,119 @@ def test_split_by_time_needs_a_sample_and_a_known_mode() -> None:
         split_layers([nn.Linear(1, 1)], 1, by="flops")
     with pytest.raises(ValueError, match="2 weights for 1 layers"):
         split_layers([nn.Linear(1, 1)], 1, by=[1, 2])
+
+
+def test_partition_rejects_weights_that_are_not_finite() -> None:
+    # inf or NaN made every cut look equally bad: [inf, 1, 1] into 2 came back as [0, 3].
+    for bad in (float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="weight 0 is"):
+            partition_balanced([bad, 1.0, 1.0], 2)
+
+
+def test_a_module_used_twice_runs_twice_in_its_stage() -> None:
+    # One activation object shared between positions, as people write nn.Sequential.
+    torch.manual_seed(0)
+    act = nn.Tanh()
+    model = nn.Sequential(nn.Linear(4, 4), act, nn.Linear(4, 4), act, nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    for parts in (1, 2, 3):
+        stages = split_sequential(model, parts)
+        assert sum(len(s) for s in stages) == 5
+        y = x
+        for stage in stages:
+            y = stage(y)
+        torch.testing.assert_close(y, model(x), rtol=0, atol=0)
+        assert [k for s in stages for k in s.state_dict()] == list(model.state_dict())
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 6)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(6, 6), nn.ReLU()) for _ in range(4))
+        self.head = nn.Linear(6, 10)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def test_a_list_of_blocks_with_model_keeps_the_whole_models_keys() -> None:
+    torch.manual_seed(0)
+    net = _Net()
+    stages = split_layers([net.embed, *net.blocks, net.head], 3, model=net)
+    keys = [k for s in stages for k in s.state_dict()]
+    assert keys == list(net.state_dict())
+    tokens = torch.randint(0, 10, (2, 5))
+    y = tokens
+    for stage in stages:
+        y = stage(y)
+    torch.testing.assert_close(y, net(tokens), rtol=0, atol=0)
+    # A checkpoint of the whole model loads into the stages, key for key.
+    full = {k: v + 1 for k, v in net.state_dict().items()}
+    for stage in stages:
+        stage.load_state_dict({k: v for k, v in full.items() if k in stage.state_dict()})
+    torch.testing.assert_close(net.head.bias, full["head.bias"])
+    assert {id(p) for s in stages for p in s.parameters()} == {id(p) for p in net.parameters()}
+
+
+def test_layer_names_from_a_mapping_or_positions() -> None:
+    a, b, c = nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)
+    stages = split_layers({"enc.0": a, "enc.1": b, "out": c}, 2, by=[1, 1, 1])
+    assert [k for s in stages for k in s.state_dict()] == [
+        "enc.0.weight", "enc.0.bias", "enc.1.weight", "enc.1.bias", "out.weight", "out.bias"
+    ]  # fmt: skip
+    assert [k for s in split_layers([a, b, c], 3) for k in s.state_dict()][::2] == ["0.weight", "1.weight", "2.weight"]
+    with pytest.raises(ValueError, match="not a submodule"):
+        split_layers([a, nn.Linear(2, 2)], 2, model=nn.Sequential(a))
+
+
+class _Pair(nn.Module):
+    """A layer taking and returning a tuple (hidden state, mask)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        h, mask = x
+        return self.lin(h) * mask, mask
+
+
+def test_layer_times_handles_tuple_outputs_and_leaves_buffers_alone() -> None:
+    torch.manual_seed(0)
+    norm = nn.BatchNorm1d(4)
+    layers = [_Pair(), _Pair()]
+    # Tuple in, tuple out: each layer must get the previous output detached (it crashed before).
+    sample = (torch.randn(8, 4), torch.ones(8, 4))
+    times = layer_times(layers, sample, repeats=2)
+    assert len(times) == 2 and all(t > 0 for t in times)
+    assert all(p.grad is None for layer in layers for p in layer.parameters())
+    # Measuring runs BatchNorm in training mode; its running statistics must be restored.
+    before = {k: v.clone() for k, v in norm.state_dict().items()}
+    layer_times([nn.Linear(4, 4), norm], torch.randn(8, 4) * 5 + 3, repeats=2)
+    after = norm.state_dict()
+    for k, v in before.items():
+        torch.testing.assert_close(after[k], v, rtol=0, atol=0)
+
+
+def test_named_stages_train_in_a_pipeline_like_the_whole_model() -> None:
+    from pipetrain import LocalPipeline
+
+    torch.manual_seed(0)
+    net = _Net()
+    ref = copy.deepcopy(net)
+    stages = split_layers([net.embed, *net.blocks, net.head], 4, model=net)
+    assert any(isinstance(s, LayerStage) for s in stages)
+    tokens = torch.randint(0, 10, (8, 5))
+    target = torch.randn(8, 5, 10)
+    losses: list[torch.Tensor] = []
+    LocalPipeline(stages, "ZBVZeroBubble", 4, loss_fn=nn.functional.mse_loss).step(tokens, target=target, losses=losses)
+    loss = nn.functional.mse_loss(ref(tokens), target)
+    loss.backward()
+    torch.testing.assert_close(torch.stack(losses).mean(), loss)
+    got = {k: p.grad for s in stages for k, p in s.named_parameters()}
+    for k, p in ref.named_parameters():
+        torch.testing.assert_close(got[k], p.grad)
