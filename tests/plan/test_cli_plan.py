@@ -99,3 +99,44 @@ def test_no_traceback_from_the_console(tmp_path: Path) -> None:
         f"pipetrain validate: error: {path}: rank 1, step 0, action 1F0: needs the output of 0F0 from rank 0, but no "
         "1RECV_F0 comes before it (the 0SEND_F0 at step 1 on rank 0 has no matching RECV)"
     ]
+
+
+def test_unreadable_file_is_named_once(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "binary.csv"
+    path.write_bytes(b"\xff\xfe\x00garbage")
+    for command in ("validate", "show"):
+        code, out, err = run(capsys, command, str(path))
+        assert code == 1 and out == ""
+        assert err.strip() == f"pipetrain {command}: error: {path}: not a UTF-8 text file (invalid start byte)"
+
+
+def test_huge_microbatch_in_a_file_is_a_one_line_error(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "huge.csv"
+    path.write_text("0F0,0B0,0F30000000\n")
+    for argv in (("validate", str(path)), ("simulate", str(path)), ("show", str(path), "--lowered")):
+        code, out, err = run(capsys, *argv)
+        assert code == 1 and out == "", argv
+        assert err.strip().splitlines() == [
+            f"pipetrain {argv[0]}: error: {path}: rank 0, step 2, action 0F30000000: microbatch 30000000 implies "
+            "30000001 microbatches, but stage 0 has no forward 0F1; microbatches must be numbered 0..M-1 without "
+            "gaps, with an F on every stage for each"
+        ]
+
+
+@pytest.mark.parametrize("flags", [("--fsdp",), ("--grad-reduce",), ("--merge-iw",), ("--grad-reduce", "--fsdp")])
+def test_passes_on_an_already_lowered_file_are_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, flags: tuple[str, ...]
+) -> None:
+    path = tmp_path / "low.csv"
+    build_schedule("1F1B", 2, 3).lower().to_csv(path)
+    for command in (("show",), ("export", "--json", str(tmp_path / "out.json"))):
+        code, out, err = run(capsys, command[0], str(path), *command[1:], *flags)
+        assert code == 1 and out == ""
+        assert err.strip() == (
+            f"pipetrain {command[0]}: error: {path} is already lowered, so {' and '.join(flags)} cannot be applied; "
+            "give a compute-only schedule (a name, or a file without SEND/RECV)"
+        )
+    assert not (tmp_path / "out.json").exists()
+    # --lowered alone asks for nothing the file lacks
+    code, out, _ = run(capsys, "show", str(path), "--lowered")
+    assert code == 0 and "(lowered)" in out

@@ -101,3 +101,106 @@ def test_compare_png_and_json(capsys: pytest.CaptureFixture[str], tmp_path: Path
 def test_compare_no_schedule_fits(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(capsys, "compare", "-p", "0", "-m", "4")
     assert code == 1 and "no schedule accepts" in err
+
+
+@pytest.mark.parametrize(
+    ("flag", "name", "written", "magic"),
+    [
+        ("--png", "noext", "noext.png", b"\x89PNG"),
+        ("--svg", "noext", "noext.svg", b"<?xml"),
+        ("--png", "t.png", "t.png", b"\x89PNG"),
+        ("--png", "T.PNG", "T.PNG", b"\x89PNG"),
+        ("--svg", "t.svg", "t.svg", b"<?xml"),
+    ],
+)
+def test_picture_format_follows_the_flag_and_the_written_path_is_printed(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, flag: str, name: str, written: str, magic: bytes
+) -> None:
+    code, out, _ = run(capsys, "simulate", "1F1B", "-p", "2", "-m", "2", flag, str(tmp_path / name))
+    assert code == 0
+    assert out.splitlines()[-1] == f"wrote timeline {tmp_path / written}"
+    assert (tmp_path / written).read_bytes().startswith(magic)
+    assert [p.name for p in tmp_path.iterdir()] == [written]
+
+
+@pytest.mark.parametrize(
+    ("flag", "name", "expected"),
+    [
+        ("--svg", "as.png", "the name ends in .png but --svg writes SVG; name it {dir}/as.svg"),
+        ("--png", "as.svg", "the name ends in .svg but --png writes PNG; name it {dir}/as.png"),
+        ("--png", "x.xyz", "the name ends in .xyz but --png writes PNG; name it {dir}/x.png"),
+    ],
+)
+def test_picture_name_that_contradicts_the_flag_is_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, flag: str, name: str, expected: str
+) -> None:
+    path = tmp_path / name
+    code, out, err = run(capsys, "simulate", "1F1B", "-p", "2", "-m", "2", flag, str(path))
+    assert code == 1 and out == ""
+    assert err.strip() == f"pipetrain simulate: error: {flag} {path}: " + expected.format(dir=tmp_path)
+    assert not any(tmp_path.iterdir())
+    code, _, err = run(capsys, "compare", "-p", "2", "-m", "2", "--png", str(tmp_path / "all.svg"))
+    assert code == 1 and "the name ends in .svg but --png writes PNG" in err
+
+
+def test_compare_png_without_extension(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, out, _ = run(capsys, "compare", "-p", "2", "-m", "2", "--png", str(tmp_path / "all"))
+    assert code == 0 and out.splitlines()[-1] == f"wrote {tmp_path / 'all.png'}"
+    assert (tmp_path / "all.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_picture_help_says_how_names_are_treated(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["simulate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "a name without an extension gets .png; one with another extension is refused" in text
+    assert "a name without an extension gets .svg; one with another extension is refused" in text
+
+
+def test_unknown_picture_format_in_the_library_is_a_schedule_error(tmp_path: Path) -> None:
+    from pipetrain.plan.errors import ScheduleError
+    from pipetrain.plan.render import render_timeline
+
+    timeline = simulate(build_schedule("1F1B", 2, 2)).timeline
+    with pytest.raises(ScheduleError, match=r"cannot write .*x\.xyz: 'xyz' is not a picture format"):
+        render_timeline(timeline, tmp_path / "x.xyz")
+    assert render_timeline(timeline, tmp_path / "plain") == str(tmp_path / "plain.png")
+    assert render_timeline(timeline, tmp_path / "forced.png", format="svg") == str(tmp_path / "forced.png")
+    assert (tmp_path / "forced.png").read_text().startswith("<?xml")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("-v", "0"), "--stages-per-rank must be >= 1, got 0"),
+        (("--memory-limit", "-1"), "--memory-limit must be a finite number >= 0, got -1"),
+        (("--memory-limit", "nan"), "--memory-limit must be a finite number >= 0, got nan"),
+        (("--memory-limit", "inf"), "--memory-limit must be a finite number >= 0, got inf"),
+        (("-m", "0"), "--microbatches must be >= 1, got 0"),
+    ],
+)
+def test_plan_rejects_bad_numbers(capsys: pytest.CaptureFixture[str], argv: tuple[str, ...], message: str) -> None:
+    code, out, err = run(capsys, "plan", "-p", "2", "-m", "4", *argv)
+    assert code == 1 and out == ""
+    assert err.strip() == f"pipetrain plan: error: {message}"
+
+
+def test_compare_rejects_zero_stages_per_rank(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "compare", "-p", "2", "-m", "4", "-v", "0")
+    assert code == 1 and err.strip() == "pipetrain compare: error: --stages-per-rank must be >= 1, got 0"
+
+
+def test_rank_schedules_checks_its_arguments() -> None:
+    from pipetrain.plan.errors import ScheduleError
+    from pipetrain.plan.search import rank_schedules
+
+    with pytest.raises(ScheduleError, match="stages_per_rank must be an integer >= 1, got 0"):
+        rank_schedules(2, 4, Costs(), stages_per_rank=0)
+    with pytest.raises(ScheduleError, match="memory_limit must be a finite number >= 0, got nan"):
+        rank_schedules(2, 4, Costs(), float("nan"))
+
+
+def test_zero_costs_still_hold_activations(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "simulate", "1F1B", "-p", "2", "-m", "4", "--costs", "f=0,b=0")
+    assert code == 0
+    assert "   0         0         0          2         0" in out  # rank 0 holds 2 microbatches, as with f=1,b=2

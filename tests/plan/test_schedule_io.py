@@ -184,3 +184,144 @@ def test_has_backward_tells_training_schedules_from_forward_only_ones() -> None:
     assert build_schedule("ZBVZeroBubble", 2, 4).lower().has_backward
     assert not build_schedule("ForwardOnly", 2, 4).has_backward
     assert not forwards_only(build_schedule("DualPipeV", 2, 4)).lower().has_backward
+
+
+# ------------------------------------------------------------------ implausible sizes
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("0F0,0F30000000\n", "action 0F30000000: microbatch 30000000 implies 30000001 microbatches, but stage 0"),
+        ("0F0,0B0,0F" + "9" * 40 + "\n", "but stage 0 has no forward 0F1; microbatches must be numbered 0..M-1"),
+        ("0F0,0F" + "9" * 5000 + "\n", "rank 0, step 1: cannot parse action '0F9"),
+        ("0F0,99999999999F0\n", "stages [1, 2, 3, 4, 5, 6, 7, 8] and 99999999990 more are not placed"),
+        ("0F0,0F65536\n1F0\n", "microbatch 65536 implies 65537 microbatches, but stage 0 has no forward 0F1"),
+        ("0F0,0F1,1F0\n2F0,2F40000\n", "microbatch 40000 implies 40001 microbatches, but stage 0 has no forward 0F2"),
+    ],
+)
+def test_huge_indices_are_refused_before_any_table_is_built(text: str, expected: str) -> None:
+    """A stray large index must not make validate/simulate allocate stages × microbatches entries."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(ScheduleError) as info:
+            Schedule.from_csv_text(text)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert expected in str(info.value)
+    assert "\n" not in str(info.value) and len(str(info.value)) < 400
+    assert peak < 5_000_000
+
+
+def test_declared_sizes_beyond_the_actions_are_refused() -> None:
+    doc = build_schedule("GPipe", 2, 2).to_dict()
+    with pytest.raises(
+        ScheduleError, match="the schedule has 1000000000000 microbatches, but stage 0 has no forward 0F2"
+    ):
+        Schedule.from_dict({**doc, "num_microbatches": 10**12})
+    with pytest.raises(ScheduleError, match=r"stages \[2, 3, .* more are not placed"):
+        Schedule.from_dict({**doc, "num_stages": 10**12})
+
+
+@pytest.mark.parametrize("text", ["0F0,0F2\n", "0F0,,0F2\n", "0F0,0F65535\n"])
+def test_gaps_in_small_schedules_still_get_validates_message(text: str) -> None:
+    # Tables of up to 65536 (stage, microbatch) entries are cheap: loading succeeds, and validate
+    # names the rank and the missing action, as lower() does.
+    s = Schedule.from_csv_text(text)
+    with pytest.raises(ScheduleError, match=r"^rank 0: stage 0 microbatch 1 has no forward 0F1"):
+        s.validate()
+
+
+# ------------------------------------------------------------------ JSON: paths, version, num_ranks
+def test_a_json_file_named_like_json_text_is_a_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipetrain.plan.timeline import Timeline
+
+    monkeypatch.chdir(tmp_path)  # a relative name that starts with '{'
+    schedule = build_schedule("1F1B", 2, 3)
+    schedule.to_json("{x}.json")
+    assert Schedule.from_json("{x}.json") == schedule
+    assert Schedule.load("{x}.json") == schedule
+    assert Schedule.from_json_text(schedule.to_json()) == schedule
+    assert Schedule.from_json(schedule.to_json()) == schedule  # older callers pass the text itself
+    with pytest.raises(ScheduleError, match=r"^cannot read \{missing\}\.json: No such file"):
+        Schedule.load("{missing}.json")
+    from pipetrain.plan.simulate import simulate
+
+    timeline = simulate(schedule).timeline
+    timeline.to_json("{t}.json")
+    assert Timeline.from_json("{t}.json").events == timeline.events
+    assert Timeline.from_json_text(timeline.to_json()).events == timeline.events
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"version": 2}, "unsupported schedule JSON version 2: this pipetrain reads version 1"),
+        ({"version": "1"}, "unsupported schedule JSON version '1'"),
+        ({"num_ranks": 0}, "num_ranks must be an integer in 1..1048576, got 0"),
+        ({"num_ranks": -3}, "num_ranks must be an integer in 1..1048576, got -3"),
+        ({"num_ranks": "2"}, "num_ranks must be an integer in 1..1048576, got '2'"),
+        ({"num_ranks": True}, "num_ranks must be an integer in 1..1048576, got True"),
+        ({"num_ranks": 10**12}, "num_ranks must be an integer in 1..1048576"),
+        ({"num_ranks": 1}, "actions are given for rank 1, but num_ranks is 1"),
+        ({"num_microbatches": 1.5}, "num_microbatches must be an integer >= 0, got 1.5"),
+        ({"actions": {"x": []}}, "\"actions\" has a key 'x' that is not a rank number"),
+    ],
+)
+def test_json_header_fields_are_checked(change: dict[str, object], expected: str) -> None:
+    doc = {**build_schedule("GPipe", 2, 2).to_dict(), **change}
+    with pytest.raises(ScheduleError) as info:
+        Schedule.from_dict(doc)
+    assert expected in str(info.value)
+
+
+def test_json_declared_ranks_without_actions_keep_their_size(tmp_path: Path) -> None:
+    doc = {
+        "format": "pipetrain.schedule",
+        "version": 1,
+        "num_ranks": 4,
+        "actions": {"0": ["0F0", "0B0"]},
+    }
+    s = Schedule.from_dict(doc)
+    assert s.num_ranks == 4
+    assert s.actions == {0: [Action(0, ActionKind.F, 0), Action(0, ActionKind.B, 0)], 1: [], 2: [], 3: []}
+    s.validate()
+    path = tmp_path / "idle.json"
+    s.to_json(path)
+    assert Schedule.load(path) == s
+    # A placement on a declared rank is checked against the declared size, not the ranks with actions.
+    with pytest.raises(ScheduleError, match="stage_to_rank places stage 1 on rank 4, but there are 4 ranks"):
+        Schedule.from_dict({**doc, "stage_to_rank": {"0": 0, "1": 4}})
+    # without num_ranks the ranks are still those named
+    assert Schedule.from_dict({k: v for k, v in doc.items() if k != "num_ranks"}).num_ranks == 1
+
+
+def test_file_errors_name_the_file_once(tmp_path: Path) -> None:
+    cases = {
+        "b.csv": b"\xff\xfe\x00garbage",
+        "cell.csv": b"0F0,0X1\n",
+        "gap.csv": b"0F0,0F70000\n",
+        "v.json": b'{"format": "pipetrain.schedule", "version": 9, "actions": {}}',
+        "bad.json": b"{not json",
+    }
+    for name, data in cases.items():
+        path = tmp_path / name
+        path.write_bytes(data)
+        with pytest.raises(ScheduleError) as info:
+            Schedule.load(path)
+        assert str(info.value).count(str(path)) == 1, str(info.value)
+        assert str(info.value).startswith(f"{path}: "), str(info.value)
+
+
+def test_a_missing_file_named_like_json_text_is_reported_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pipetrain.plan.timeline import Timeline
+
+    monkeypatch.chdir(tmp_path)
+    for reader in (Schedule.from_json, Timeline.from_json):
+        with pytest.raises(ScheduleError, match=r"^cannot read \{nope\}\.json: no such file, nor valid \w+ JSON text"):
+            reader("{nope}.json")
+    with pytest.raises(ScheduleError, match=r"^malformed timeline JSON"):
+        Timeline.from_json('{\n"format": ')

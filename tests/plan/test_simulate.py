@@ -366,3 +366,15 @@ def test_costs_reject_bad_values() -> None:
     for kw in ({"f": float("nan")}, {"f": []}, {"f": "1"}, {"comm": -1}, {"f": True}):
         with pytest.raises(ScheduleError):
             Costs(**kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", ["1F1B", "GPipe", "ZBH1", "ZBVZeroBubble", "DualPipeV", "ForwardOnly"])
+def test_peak_memory_does_not_depend_on_durations(name: str) -> None:
+    """A rank's activations change in its program order whatever the costs; zero costs are no exception
+    (frees-first at equal times made every zero-cost schedule report a peak of 0)."""
+    s = build_schedule(name, 4, 8)
+    reference = simulate(s, Costs(f=1, b=2)).peak_memory
+    assert reference[0] > 0
+    assert simulate(s, Costs(f=0, b=0)).peak_memory == reference
+    assert simulate(s, Costs(f=0, b=2, i=0, w=2)).peak_memory == reference
+    assert simulate(s, Costs(f=1, b=0, i=0, w=0, overlap=1)).peak_memory == reference

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -115,3 +117,33 @@ def test_plain_reference_is_deterministic_and_learns() -> None:
 def test_unknown_model_size_is_a_clear_error() -> None:
     with pytest.raises(PipelineError, match="unknown model size 'huge'"):
         _ = TrainConfig(model="huge").model_config
+
+
+def _recorded_spawn(monkeypatch: pytest.MonkeyPatch) -> list[TrainConfig]:
+    """Replace the process launcher: the test sees the config instead of a training run."""
+    import pipetrain.train.launch
+
+    seen: list[TrainConfig] = []
+    monkeypatch.setattr(pipetrain.train.launch, "spawn", lambda fn, ranks, cfg: seen.append(cfg))
+    return seen
+
+
+def test_a_schedule_file_sets_the_microbatches(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    path = tmp_path / "s.csv"
+    build_schedule("1F1B", 2, 4).to_csv(path)
+    seen = _recorded_spawn(monkeypatch)
+    # 4 sequences for the file's 4 microbatches: fine, although the default --microbatches is 8
+    assert main(["train", "--schedule", str(path), "--batch-size", "4", "--out", str(tmp_path / "run")]) == 0
+    assert [(cfg.microbatches, cfg.ranks, cfg.batch_size) for cfg in seen] == [(4, 2, 4)]
+    assert main(["train", "--schedule", str(path), "--batch-size", "3"]) == 1
+    assert capsys.readouterr().err.strip() == (
+        f"pipetrain train: error: --batch-size 3 is smaller than the 4 microbatches of {path}"
+    )
+    assert main(["train", "--schedule", str(path), "--microbatches", "8"]) == 1
+    assert capsys.readouterr().err.strip() == (
+        f"pipetrain train: error: --microbatches 8 contradicts {path}, a schedule of 4 microbatches "
+        "(leave --microbatches out)"
+    )
+    assert len(seen) == 1

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from pipetrain.plan import build_schedule
+from pipetrain.plan.costs import Costs
 from pipetrain.plan.timeline import Timeline, TimelineEvent
 from pipetrain.train.outputs import bubble_fraction, costs_from_timeline, write_outputs
 from pipetrain.train.progress import StepReporter
@@ -80,3 +81,7 @@ def test_summary_files_from_a_measured_step(tmp_path: Path) -> None:
         assert str(tmp_path / name) in files and (tmp_path / name).stat().st_size > 0
     trace = json.loads((tmp_path / "simulated_trace.json").read_text())
     assert {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"} == {str(a) for a in plan.iter_actions() if a}
+    # The measured costs, as a string `pipetrain plan --costs` reads back (guide §4).
+    costs = Costs.parse((tmp_path / "costs.txt").read_text())
+    assert costs.f == costs.b == (0.5, 0.5) and costs.comm == 0.0
+    assert summary["costs"] == (tmp_path / "costs.txt").read_text().strip()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any
 
 from pipetrain.plan.costs import Costs
@@ -36,6 +37,16 @@ def register(subparsers: Any) -> None:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    for flag, value in (
+        ("--ranks", args.ranks),
+        ("--microbatches", args.microbatches),
+        ("--stages-per-rank", args.stages_per_rank),
+    ):
+        if value is not None and value < 1:
+            raise ScheduleError(f"{flag} must be >= 1, got {value}")
+    limit = args.memory_limit
+    if limit is not None and not (math.isfinite(limit) and limit >= 0):
+        raise ScheduleError(f"--memory-limit must be a finite number >= 0, got {limit:g}")
     costs = Costs.parse(args.costs)
     ranked = rank_schedules(
         args.ranks, args.microbatches, costs, args.memory_limit, stages_per_rank=args.stages_per_rank

@@ -50,7 +50,14 @@ def _add_lowering_arguments(parser: argparse.ArgumentParser) -> None:
 def _load(args: argparse.Namespace) -> Schedule:
     schedule = schedule_from_args(args.schedule, args)
     schedule.validate()
-    args.lowered = args.lowered or args.grad_reduce or args.fsdp or args.merge_iw
+    passes = [f"--{flag.replace('_', '-')}" for flag in ("grad_reduce", "fsdp", "merge_iw") if getattr(args, flag)]
+    args.lowered = args.lowered or bool(passes)
+    if schedule.is_lowered and passes:
+        # Its SEND/RECV (and any FSDP actions) are fixed already; silently ignoring the flags misleads.
+        raise ScheduleError(
+            f"{args.schedule} is already lowered, so {' and '.join(passes)} cannot be applied; "
+            "give a compute-only schedule (a name, or a file without SEND/RECV)"
+        )
     if not args.lowered or schedule.is_lowered:
         return schedule
     return schedule.lower(grad_reduce=args.grad_reduce, fsdp=args.fsdp, prefetch=args.prefetch, merge_iw=args.merge_iw)
@@ -60,7 +67,7 @@ def _show(args: argparse.Namespace) -> int:
     schedule = _load(args)
     print(
         f"{schedule.name or 'schedule'}: {schedule.num_ranks} ranks, {schedule.num_stages} stages, "
-        f"{schedule.num_microbatches} microbatches, {schedule.num_steps} steps{' (lowered)' if args.lowered else ''}"
+        f"{schedule.num_microbatches} microbatches, {schedule.num_steps} steps{' (lowered)' if schedule.is_lowered else ''}"
     )
     print(schedule.format())
     return 0
@@ -78,8 +85,8 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
+    schedule = Schedule.load(args.file)  # its errors name the file already
     try:
-        schedule = Schedule.load(args.file)
         schedule.validate()
     except ScheduleError as err:
         raise ScheduleError(f"{args.file}: {err}") from None

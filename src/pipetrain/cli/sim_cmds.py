@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
-from pipetrain.cli.common import add_size_arguments, schedule_from_args
+from pipetrain.cli.common import PICTURE_NAMING, add_size_arguments, picture_path, schedule_from_args
 from pipetrain.plan.costs import Costs
 from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.generators import build_schedule, schedule_names
@@ -26,8 +27,12 @@ def register(subparsers: Any) -> None:
     add_size_arguments(sim, required=False)
     sim.add_argument("--costs", default="", metavar="SPEC", help=_COSTS_HELP)
     sim.add_argument("--lowered", action="store_true", help="simulate the lowered schedule (with SEND/RECV)")
-    sim.add_argument("--png", metavar="FILE", help="write the timeline picture as PNG")
-    sim.add_argument("--svg", metavar="FILE", help="write the timeline picture as SVG")
+    sim.add_argument(
+        "--png", metavar="FILE", help=f"write the timeline picture as PNG ({PICTURE_NAMING.format(fmt='png')})"
+    )
+    sim.add_argument(
+        "--svg", metavar="FILE", help=f"write the timeline picture as SVG ({PICTURE_NAMING.format(fmt='svg')})"
+    )
     sim.add_argument("--trace", metavar="FILE", help="write a Chrome trace (Perfetto, chrome://tracing)")
     sim.add_argument("--grid", action="store_true", help="print a text grid aligned to simulated time")
     sim.add_argument("--json", action="store_true", help="print the result summary as JSON on stdout")
@@ -42,7 +47,11 @@ def register(subparsers: Any) -> None:
         help=_COSTS_HELP + "; costs are for one rank's share of the model (a schedule with V stages "
         "per rank gets costs/V per stage, so every row runs the same model)",
     )
-    cmp.add_argument("--png", metavar="FILE", help="write one picture stacking every schedule's timeline")
+    cmp.add_argument(
+        "--png",
+        metavar="FILE",
+        help=f"write one PNG picture stacking every schedule's timeline ({PICTURE_NAMING.format(fmt='png')})",
+    )
     cmp.add_argument("--json", action="store_true", help="print the rows as JSON on stdout")
     cmp.set_defaults(func=_compare)
 
@@ -52,11 +61,12 @@ def _costs(text: str) -> Costs:
 
 
 def _simulate(args: argparse.Namespace) -> int:
+    pictures = [(picture_path(path, fmt), fmt) for path, fmt in ((args.png, "png"), (args.svg, "svg")) if path]
     schedule = schedule_from_args(args.schedule, args)
     if args.lowered and not schedule.is_lowered:
         schedule = schedule.lower()
     result = simulate(schedule, _costs(args.costs))
-    _write_pictures(result, args.png, args.svg, args.trace)
+    written = _write_pictures(result, pictures, args.trace)
     if args.json:
         print(json.dumps(result.summary(), indent=1))
         return 0
@@ -65,23 +75,25 @@ def _simulate(args: argparse.Namespace) -> int:
         from pipetrain.plan.render import format_time_grid
 
         print(format_time_grid(result.timeline))
-    for label, path in (("timeline", args.png), ("timeline", args.svg), ("trace", args.trace)):
-        if path:
-            print(f"wrote {label} {path}")
+    for label, path in written:
+        print(f"wrote {label} {path}")
     return 0
 
 
-def _write_pictures(result: SimResult, png: str | None, svg: str | None, trace: str | None) -> None:
-    if png or svg:
+def _write_pictures(result: SimResult, pictures: list[tuple[str, str]], trace: str | None) -> list[tuple[str, str]]:
+    """Write the pictures (path, format) and the trace; returns (label, path) of each file written."""
+    written: list[tuple[str, str]] = []
+    if pictures:
         from pipetrain.plan.render import render_timeline
 
-        for path in (png, svg):
-            if path:
-                render_timeline(result.timeline, path)
+        for path, fmt in pictures:
+            written.append(("timeline", render_timeline(result.timeline, path, format=fmt)))
     if trace:
         from pipetrain.plan.trace import write_chrome_trace
 
         write_chrome_trace(result.timeline, trace)
+        written.append(("trace", trace))
+    return written
 
 
 def _describe(r: SimResult) -> str:
@@ -146,6 +158,9 @@ def _count_sends(schedule: Schedule) -> int | None:
 
 
 def _compare(args: argparse.Namespace) -> int:
+    png = picture_path(args.png, "png") if args.png else None
+    if args.stages_per_rank is not None and args.stages_per_rank < 1:
+        raise ScheduleError(f"--stages-per-rank must be >= 1, got {args.stages_per_rank}")
     costs = _costs(args.costs)
     rows, results = compare_rows(args.ranks, args.microbatches, args.stages_per_rank, costs)
     if not rows:
@@ -153,10 +168,13 @@ def _compare(args: argparse.Namespace) -> int:
             f"no schedule accepts {args.ranks} ranks, {args.microbatches} microbatches"
             + (f", {args.stages_per_rank} stages per rank" if args.stages_per_rank else "")
         )
-    if args.png:
+    if png and not results:  # every row is an error: nothing to draw
+        print(f"pipetrain compare: no schedule could be simulated, so {png} is not written", file=sys.stderr)
+        png = None
+    if png:
         from pipetrain.plan.render import render_timelines
 
-        render_timelines([r.timeline for r in results], args.png)
+        png = render_timelines([r.timeline for r in results], png, format="png")
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
@@ -165,8 +183,8 @@ def _compare(args: argparse.Namespace) -> int:
         + (f", {args.stages_per_rank} stages per rank" if args.stages_per_rank else "")
     )
     print(format_compare_table(rows))
-    if args.png:
-        print(f"wrote {args.png}")
+    if png:
+        print(f"wrote {png}")
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 from typing import Any
 
 _DEFAULTS: dict[str, Any] = {
@@ -46,8 +47,8 @@ def register(subparsers: Any) -> None:
     train.add_argument(
         "--microbatches",
         type=int,
-        default=_DEFAULTS["microbatches"],
-        help="microbatches per step (default %(default)s; a schedule file sets its own)",
+        default=None,
+        help=f"microbatches per step (default {_DEFAULTS['microbatches']}; a schedule file sets its own)",
     )
     train.add_argument("--steps", type=int, default=_DEFAULTS["steps"], help="optimizer steps (default %(default)s)")
     train.add_argument(
@@ -96,16 +97,29 @@ def _train(args: argparse.Namespace) -> int:
     if env is not None and args.ranks is not None and args.ranks != env.world_size:
         raise PipelineError(f"--ranks {args.ranks} but torchrun started WORLD_SIZE={env.world_size} processes")
     ranks = args.ranks
-    if env is None and ranks is None and args.schedule.lower().endswith((".csv", ".json")):
+    microbatches = _DEFAULTS["microbatches"] if args.microbatches is None else args.microbatches
+    mb_source = f"--microbatches {microbatches}"
+    if _is_schedule_file(args.schedule):
+        # The file fixes the microbatch count (and, unless --ranks says otherwise, the ranks):
+        # every check below must see its numbers, not the defaults.
         from pipetrain.plan.schedule import Schedule
 
-        ranks = Schedule.load(args.schedule).num_ranks
+        planned = Schedule.load(args.schedule)
+        if args.microbatches is not None and args.microbatches != planned.num_microbatches:
+            raise PipelineError(
+                f"--microbatches {args.microbatches} contradicts {args.schedule}, "
+                f"a schedule of {planned.num_microbatches} microbatches (leave --microbatches out)"
+            )
+        microbatches = planned.num_microbatches
+        mb_source = f"the {microbatches} microbatches of {args.schedule}"
+        if env is None and ranks is None:
+            ranks = planned.num_ranks
     out = args.out or f"runs/{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
     cfg = TrainConfig(
         ranks=env.world_size if env is not None else (ranks or _DEFAULTS["ranks"]),
         stages_per_rank=args.stages_per_rank,
         schedule=args.schedule,
-        microbatches=args.microbatches,
+        microbatches=microbatches,
         steps=args.steps,
         batch_size=args.batch_size,
         device=args.device,
@@ -118,8 +132,8 @@ def _train(args: argparse.Namespace) -> int:
     )
     if args.clip_grad_norm is not None and not args.clip_grad_norm > 0:
         raise PipelineError(f"--clip-grad-norm must be > 0, got {args.clip_grad_norm}")
-    if args.batch_size < args.microbatches:
-        raise PipelineError(f"--batch-size {args.batch_size} is smaller than --microbatches {args.microbatches}")
+    if args.batch_size < microbatches:
+        raise PipelineError(f"--batch-size {args.batch_size} is smaller than {mb_source}")
     if env is not None:
         run_rank(env, cfg)
         return 0
@@ -134,3 +148,8 @@ def _train(args: argparse.Namespace) -> int:
             )
     spawn(run_rank, cfg.ranks, cfg)
     return 0
+
+
+def _is_schedule_file(schedule: str) -> bool:
+    """Whether ``--schedule`` names a file rather than a schedule family (the rule ``plan_for`` uses)."""
+    return schedule.lower().endswith((".csv", ".json")) or "/" in schedule or os.sep in schedule

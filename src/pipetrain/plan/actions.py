@@ -195,7 +195,7 @@ class Action(_ActionFields):
         match = _SIMPLE_RE.fullmatch(s)
         if match is None:
             raise ScheduleError(
-                f"cannot parse action {text!r}: expected <stage><kind><microbatch> such as 2F0, 3I5, 1SEND_F3 "
+                f"cannot parse action {_abridged(text)}: expected <stage><kind><microbatch> such as 2F0, 3I5, 1SEND_F3 "
                 f"or 0UNSHARD, with kind one of {', '.join(k.value for k in ActionKind)}"
             )
         stage_text, kind_text, mb_text = match.groups()
@@ -204,6 +204,18 @@ class Action(_ActionFields):
             return Action(int(stage_text), kind, int(mb_text) if mb_text else None)
         except ScheduleError as err:
             raise ScheduleError(f"cannot parse action {text!r}: {err}") from None
+        except ValueError:
+            # int() refuses numbers of thousands of digits; no schedule has that many stages or microbatches.
+            raise ScheduleError(
+                f"cannot parse action {_abridged(s)}: its stage or microbatch number is too long"
+            ) from None
+
+
+def _abridged(text: str, limit: int = 40) -> str:
+    """``repr`` of ``text``, cut in the middle when long, so an error message stays one short line."""
+    if len(text) <= limit:
+        return repr(text)
+    return repr(text[: limit // 2]) + f"...({len(text)} characters)..." + repr(text[-8:])
 
 
 for _kind in ActionKind:

@@ -14,9 +14,10 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.timeline import Timeline, TimelineEvent
 
-__all__ = ["KIND_COLOURS", "format_time_grid", "render_timeline", "render_timelines"]
+__all__ = ["KIND_COLOURS", "format_time_grid", "picture_target", "render_timeline", "render_timelines"]
 
 KIND_COLOURS: dict[str, str] = {
     "F": "#4C8BD6",  # forward: blue
@@ -174,6 +175,29 @@ def _legend_handles(kinds: set[str], multi_stage: bool) -> list[Any]:
     return handles
 
 
+def picture_target(path: str | os.PathLike[str], format: str | None = None) -> tuple[str, str]:
+    """(file to write, format) for a picture, checked before anything is drawn.
+
+    ``format`` (png, svg, pdf, ...) wins when given and the file is written at ``path`` as it is;
+    otherwise the extension decides, and a name without one gets ".png" (matplotlib's own rule,
+    made visible so callers can say which file they wrote). A format matplotlib cannot write is a
+    ScheduleError naming the file, not a traceback from inside matplotlib.
+    """
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    name = os.fspath(path)
+    ext = os.path.splitext(name)[1][1:].lower()
+    fmt = (format or ext or "png").lower()
+    known = FigureCanvasBase.get_supported_filetypes()
+    if fmt not in known:
+        raise ScheduleError(
+            f"cannot write {name}: {fmt!r} is not a picture format matplotlib writes (use png, svg or pdf)"
+        )
+    if not format and not ext:
+        name += ".png"
+    return name, fmt
+
+
 def render_timelines(
     timelines: Sequence[Timeline],
     path: str | os.PathLike[str],
@@ -181,19 +205,23 @@ def render_timelines(
     width: float | None = None,
     dpi: int = 150,
     share_time_axis: bool = True,
-) -> None:
+    format: str | None = None,
+) -> str:
     """Draw several timelines stacked (e.g. measured over simulated, or every schedule).
 
-    With ``share_time_axis`` all use one time scale, so lengths compare at a glance; the
-    format (PNG, SVG, PDF) follows the file extension.
+    With ``share_time_axis`` all use one time scale, so lengths compare at a glance. The format
+    (PNG, SVG, PDF) is ``format``, else the file extension (see :func:`picture_target`).
+    Returns the path written.
     """
+    if not timelines:
+        raise ValueError("render_timelines needs at least one timeline")
+    target, fmt = picture_target(path, format)
+
     import matplotlib
 
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
-    if not timelines:
-        raise ValueError("render_timelines needs at least one timeline")
     spans = [max(t.makespan, 1e-12) for t in timelines]
     most_steps = max(_most_compute_steps(t) for t in timelines)
     fig_w = width if width is not None else min(max(10.0, 0.2 * most_steps + 2.5), 20.0)
@@ -216,15 +244,23 @@ def render_timelines(
         _draw(ax, t, x_max=x_max, px_per_unit=px_per_unit, fontsize=fontsize)
     fig.subplots_adjust(left=left, right=right, top=1 - 0.45 / fig_h, bottom=bottom / fig_h, hspace=0.9 / max(heights))
     fig.legend(handles=handles, loc="lower center", ncol=ncol, frameon=False, fontsize=8.5)
-    fig.savefig(os.fspath(path), dpi=dpi)
-    plt.close(fig)
+    try:
+        fig.savefig(target, dpi=dpi, format=fmt)
+    finally:
+        plt.close(fig)
+    return target
 
 
 def render_timeline(
-    timeline: Timeline, path: str | os.PathLike[str], *, width: float | None = None, dpi: int = 150
-) -> None:
-    """Draw one timeline to ``path`` (PNG, SVG or PDF by extension)."""
-    render_timelines([timeline], path, width=width, dpi=dpi)
+    timeline: Timeline,
+    path: str | os.PathLike[str],
+    *,
+    width: float | None = None,
+    dpi: int = 150,
+    format: str | None = None,
+) -> str:
+    """Draw one timeline to ``path`` (PNG, SVG or PDF: ``format``, else by extension); returns the path written."""
+    return render_timelines([timeline], path, width=width, dpi=dpi, format=format)
 
 
 def format_time_grid(timeline: Timeline, *, tick: float | None = None, max_columns: int = 400) -> str:

@@ -14,7 +14,7 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from pipetrain.plan._jsonio import read_json
+from pipetrain.plan._jsonio import is_json_text, parse_json_text, read_json, read_json_file
 from pipetrain.plan.actions import Action, ActionKind
 from pipetrain.plan.errors import ScheduleError
 
@@ -24,13 +24,81 @@ _JSON_FORMAT = "pipetrain.schedule"
 _JSON_VERSION = 1
 
 
+_LISTED = 8  # missing stages named one by one in an error message before "and N more"
+_EAGER_GAP_CHECK = 1 << 16
+"""Stages × microbatches above which a schedule with too few actions to cover them is refused at
+construction (below it, tables are cheap and validate() explains the gap better)."""
+
+
+def _check_stages_placed(placement: Mapping[int, int], num_stages: int) -> None:
+    """Raise unless every stage 0..num_stages-1 is placed; costs O(len(placement)), not O(num_stages)
+    (a stray "99999999999F0" makes num_stages huge)."""
+    placed = sum(1 for s in placement if 0 <= s < num_stages)
+    if placed >= num_stages:
+        return
+    missing: list[int] = []
+    stage = 0
+    while len(missing) < _LISTED and stage < num_stages:  # ends within len(placement) + _LISTED steps
+        if stage not in placement:
+            missing.append(stage)
+        stage += 1
+    more = num_stages - placed - len(missing)
+    listed = f"{missing} and {more} more" if more else f"{missing}"
+    raise ScheduleError(
+        f"stages {listed} are not placed on any rank (no action names them); "
+        f"stages must be numbered 0..{num_stages - 1} without gaps"
+    )
+
+
+def _microbatch_gap(
+    actions: Mapping[int, Sequence[Action | None]], num_stages: int, num_microbatches: int, max_mb: int
+) -> str:
+    """The message for a schedule with too few actions for its microbatches: the first
+    (stage, microbatch) without an F, and the action that names the largest microbatch.
+
+    Runs only when the schedule is already known to be broken; O(actions)."""
+    forwards: dict[int, set[int]] = {}
+    largest = ""
+    for rank in sorted(actions):
+        for step, action in enumerate(actions[rank]):
+            if action is None:
+                continue
+            for part in action.parts:
+                m = part.microbatch
+                if m is None:
+                    continue
+                if part.kind is ActionKind.F:
+                    forwards.setdefault(part.stage, set()).add(m)
+                if m == max_mb and not largest:
+                    largest = f"rank {rank}, step {step}, action {action}: "
+    rule = "microbatches must be numbered 0..M-1 without gaps, with an F on every stage for each"
+    for stage in range(num_stages):
+        have = forwards.get(stage, set())
+        m = 0
+        while m in have:  # stops within len(have) + 1 steps
+            m += 1
+        if m < num_microbatches:
+            if largest and max_mb + 1 == num_microbatches:
+                return (
+                    f"{largest}microbatch {max_mb} implies {num_microbatches} microbatches, but stage {stage} "
+                    f"has no forward {stage}F{m}; {rule}"
+                )
+            return f"the schedule has {num_microbatches} microbatches, but stage {stage} has no forward {stage}F{m}; {rule}"
+    # Unreachable: fewer action slots than (stage, microbatch) pairs leaves some pair without an F.
+    return (
+        f"the schedule has {num_microbatches} microbatches on {num_stages} stages, more than its actions cover; {rule}"
+    )
+
+
 class Schedule:
     """Per-rank action lists and the stage placement they imply.
 
     ``actions[rank][step]`` is an :class:`Action` or None (an idle step). Sizes that are not
     given are inferred: ``num_ranks`` from the keys, ``num_stages`` and ``num_microbatches``
     from the largest indices used, ``stage_to_rank`` from the rank that names each stage.
-    A stage named on two ranks is rejected at once (its placement would be undefined).
+    A stage named on two ranks is rejected at once (its placement would be undefined), and so is
+    a schedule whose stages × microbatches (over 65536) exceed its action slots: it cannot be
+    complete, and the checkers' tables of that size would cost memory for nothing.
     """
 
     __slots__ = ("_actions", "name", "num_microbatches", "num_ranks", "num_stages", "stage_to_rank")
@@ -56,6 +124,7 @@ class Schedule:
         seen: dict[int, int] = {}
         max_stage = -1
         max_mb = -1
+        extra_parts = 0  # OVERLAP_F_B sub-actions beyond the first (counted off the hot path)
         for rank in ranks:
             # Plain loops and comparisons: schedules hold hundreds of thousands of actions.
             last_stage = -1
@@ -76,6 +145,8 @@ class Schedule:
                             max_mb = m
                         continue
                     subs = (action,)
+                else:
+                    extra_parts += len(subs) - 1
                 for part in subs:
                     s = part.stage
                     if s != last_stage:
@@ -118,12 +189,20 @@ class Schedule:
             raise ScheduleError(
                 f"an action names microbatch {max_mb}, but the schedule has {num_microbatches} microbatches"
             )
-        missing = [s for s in range(num_stages) if s not in placement]
-        if missing:
-            raise ScheduleError(f"stages {missing} are not placed on any rank (no action names them)")
+        _check_stages_placed(placement, num_stages)
         extra = [s for s in placement if not 0 <= s < num_stages]
         if extra:
             raise ScheduleError(f"stage_to_rank names stages {extra} outside 0..{num_stages - 1}")
+        # Every (stage, microbatch) needs an F, so a schedule with fewer action slots than that can
+        # never run. validate, simulate and lower allocate tables of num_stages * num_microbatches
+        # entries, so such a schedule is refused here when those tables would be large: a stray
+        # "0F30000000" must not cost gigabytes. A small one is left to validate(), whose message
+        # names the rank and step (and which lower() must repeat word for word).
+        cells = num_stages * num_microbatches
+        if cells > _EAGER_GAP_CHECK:
+            num_parts = sum(len(program) for program in self._actions.values()) + extra_parts
+            if cells > num_parts:
+                raise ScheduleError(_microbatch_gap(self._actions, num_stages, num_microbatches, max_mb))
         self.num_stages: int = num_stages
         self.num_microbatches: int = num_microbatches
         self.stage_to_rank: dict[int, int] = dict(sorted(placement.items()))
@@ -279,15 +358,22 @@ class Schedule:
 
     @classmethod
     def from_csv(cls, path: str | os.PathLike[str]) -> Schedule:
-        """Read a CSV written by :meth:`to_csv` or by torch's ``_dump_csv``."""
+        """Read a CSV written by :meth:`to_csv` or by torch's ``_dump_csv``.
+
+        Errors name the file once: "FILE: rank 0, step 3: ..." or "cannot read FILE: ...".
+        """
+        name = os.fspath(path)
         try:
             with open(path, newline="", encoding="utf-8") as fh:
                 text = fh.read()
         except UnicodeDecodeError as err:
-            raise ScheduleError(f"{os.fspath(path)}: not a UTF-8 text file ({err.reason})") from None
+            raise ScheduleError(f"{name}: not a UTF-8 text file ({err.reason})") from None
         except OSError as err:
-            raise ScheduleError(f"cannot read {os.fspath(path)}: {err.strerror or err}") from None
-        return cls.from_csv_text(text, name=os.path.splitext(os.path.basename(os.fspath(path)))[0])
+            raise ScheduleError(f"cannot read {name}: {err.strerror or err}") from None
+        try:
+            return cls.from_csv_text(text, name=os.path.splitext(os.path.basename(name))[0])
+        except ScheduleError as err:
+            raise ScheduleError(f"{name}: {err}") from None
 
     # ----------------------------------------------------------------- JSON
     def to_dict(self) -> dict[str, Any]:
@@ -314,13 +400,32 @@ class Schedule:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Schedule:
+        """Build a schedule from :meth:`to_dict`'s form.
+
+        ``version`` must be one this code writes (a missing one counts as the current). A declared
+        ``num_ranks`` is kept, also for ranks that have no actions, and bounds the ranks named.
+        """
         if not isinstance(data, Mapping) or data.get("format") != _JSON_FORMAT:
             raise ScheduleError(f'not a pipetrain schedule: expected an object with "format": "{_JSON_FORMAT}"')
+        version = data.get("version", _JSON_VERSION)
+        if type(version) is not int or version != _JSON_VERSION:
+            raise ScheduleError(
+                f"unsupported schedule JSON version {version!r}: this pipetrain reads version {_JSON_VERSION}"
+            )
+        num_ranks = _json_count(data, "num_ranks", least=1, most=_MAX_DECLARED_RANKS)
+        num_stages = _json_count(data, "num_stages", least=0)
+        num_microbatches = _json_count(data, "num_microbatches", least=0)
         try:
             raw_actions = data["actions"]
+            if not isinstance(raw_actions, Mapping):
+                raise ScheduleError(
+                    f'"actions" must map rank numbers to lists of actions, not {type(raw_actions).__name__}'
+                )
             actions: dict[int, list[Action | None]] = {}
             for rank_text, cells in raw_actions.items():
-                rank = int(rank_text)
+                rank = _json_rank(rank_text, num_ranks)
+                if isinstance(cells, str | bytes) or not isinstance(cells, Sequence):
+                    raise ScheduleError(f"rank {rank}: expected a list of actions, not {type(cells).__name__}")
                 parsed: list[Action | None] = []
                 for step, cell in enumerate(cells):
                     if cell is None:
@@ -331,11 +436,14 @@ class Schedule:
                     except ScheduleError as err:
                         raise ScheduleError(f"rank {rank}, step {step}: {err}") from None
                 actions[rank] = parsed
+            if num_ranks is not None:
+                for rank in range(num_ranks):  # declared ranks without actions stay, idle
+                    actions.setdefault(rank, [])
             placement = data.get("stage_to_rank")
             return cls(
                 actions,
-                num_stages=data.get("num_stages"),
-                num_microbatches=data.get("num_microbatches"),
+                num_stages=num_stages,
+                num_microbatches=num_microbatches,
                 stage_to_rank=None if placement is None else {int(s): int(r) for s, r in placement.items()},
                 name=str(data.get("name", "")),
             )
@@ -345,11 +453,60 @@ class Schedule:
             raise ScheduleError(f"malformed schedule JSON: {err!r}") from None
 
     @classmethod
+    def from_json_text(cls, text: str) -> Schedule:
+        """Read a schedule from JSON text (as :meth:`to_json` returns it)."""
+        return cls.from_dict(parse_json_text(text, "schedule"))
+
+    @classmethod
     def from_json(cls, source: str | os.PathLike[str]) -> Schedule:
-        """Read a schedule from a JSON file path (or from JSON text starting with '{')."""
-        return cls.from_dict(read_json(source, "schedule"))
+        """Read a schedule from a JSON file.
+
+        For older callers a string that names no existing file and starts with '{' is parsed as
+        JSON text; :meth:`from_json_text` says so explicitly. Errors about the content of a file
+        name the file.
+        """
+        if is_json_text(source):
+            return cls.from_dict(read_json(source, "schedule"))
+        return cls._from_json_file(source)
+
+    @classmethod
+    def _from_json_file(cls, path: str | os.PathLike[str]) -> Schedule:
+        """Read the JSON file at ``path`` (never JSON text); content errors name the file."""
+        data = read_json_file(path, "schedule")
+        try:
+            return cls.from_dict(data)
+        except ScheduleError as err:
+            raise ScheduleError(f"{os.fspath(path)}: {err}") from None
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Schedule:
-        """Read a ``.json`` or ``.csv`` schedule file by its extension."""
-        return cls.from_json(path) if os.fspath(path).lower().endswith(".json") else cls.from_csv(path)
+        """Read a ``.json`` or ``.csv`` schedule file by its extension (a path, whatever its name)."""
+        return cls._from_json_file(path) if os.fspath(path).lower().endswith(".json") else cls.from_csv(path)
+
+
+_MAX_DECLARED_RANKS = 1 << 20
+"""More ranks than any pipeline has: a declared num_ranks beyond it is a typo, and each rank costs a list."""
+
+
+def _json_count(data: Mapping[str, Any], key: str, *, least: int, most: int | None = None) -> int | None:
+    """A size field of the JSON form: absent (None, inferred) or an integer in range."""
+    value = data.get(key)
+    if value is None:
+        return None
+    if type(value) is not int or value < least or (most is not None and value > most):
+        bound = f">= {least}" if most is None else f"in {least}..{most}"
+        raise ScheduleError(f"{key} must be an integer {bound}, got {value!r}")
+    return value
+
+
+def _json_rank(key: object, num_ranks: int | None) -> int:
+    """A rank number from a key of the JSON "actions" object, checked against ``num_ranks``."""
+    text = str(key)
+    if not text.isdecimal():
+        raise ScheduleError(f'"actions" has a key {text[:20]!r} that is not a rank number')
+    if len(text) > 9 or int(text) >= _MAX_DECLARED_RANKS:
+        raise ScheduleError(f"actions are given for rank {text[:20]}, more than any pipeline has")
+    rank = int(text)
+    if num_ranks is not None and rank >= num_ranks:
+        raise ScheduleError(f"actions are given for rank {rank}, but num_ranks is {num_ranks}")
+    return rank

@@ -14,6 +14,7 @@ whole share (1F1B's rank 0 holds ``num_ranks`` of them).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -63,6 +64,16 @@ def rank_schedules(
     stages_per_rank: int | None = None,
 ) -> list[Candidate]:
     """Every candidate, best first (those that fit the memory limit before those that do not)."""
+    # Checked here, not left to the generators: 0 would read as "any" and NaN fits nothing silently.
+    if stages_per_rank is not None and (type(stages_per_rank) is not int or stages_per_rank < 1):
+        raise ScheduleError(f"stages_per_rank must be an integer >= 1, got {stages_per_rank!r}")
+    if memory_limit is not None and (
+        isinstance(memory_limit, bool)
+        or not isinstance(memory_limit, int | float)
+        or not math.isfinite(memory_limit)
+        or memory_limit < 0
+    ):
+        raise ScheduleError(f"memory_limit must be a finite number >= 0, got {memory_limit!r}")
     fixed = _fixed_stages(costs, num_ranks)
     if stages_per_rank is not None and fixed is not None and stages_per_rank != fixed:
         raise ScheduleError(f"stages_per_rank={stages_per_rank} contradicts the {fixed * num_ranks} per-stage costs")

@@ -16,7 +16,8 @@ Semantics (docs/semantics.md, "Simulation"):
   durations, and its parts' outputs are ready when it ends.
 - Memory: the activation of (s,m) is held on rank(s) from the start of F(s,m) until the end of
   B(s,m), or of W(s,m) when the backward is split; forward-only schedules free it when F ends.
-  At equal times, frees count before allocations.
+  At equal times a rank's allocations and frees count in its program order (an action ending
+  when the next starts frees first), so zero-duration actions still hold memory.
 - ``busy`` is time spent in compute actions; ``bubble`` = 1 - busy / (ranks * makespan).
 
 The times form a longest-path problem over a DAG (rank order plus data edges), solved by one
@@ -307,15 +308,18 @@ def _simulate(schedule: Schedule, costs: Costs | None) -> SimResult:
     other_dur = {_UNSHARD: costs.unshard, _RESHARD: costs.reshard, _REDUCE: costs.reduce_grad}
     part_dur: list[list[float | None]] = [[None] * n_cells for _ in range(4)]
 
-    def account(code: int, idx: int, d: float, start: float, end: float) -> None:
-        """Record a compute part's duration and its activation's alloc/free times."""
+    def account(code: int, idx: int, d: float, start: float, end: float, eid: int) -> None:
+        """Record a compute part's duration and its activation's alloc/free times (and event)."""
         part_dur[code][idx] = d
         if code == _F:
             alloc_at[idx] = start
+            alloc_ev[idx] = eid
             if not any_backward:
                 free_at[idx] = end
+                free_ev[idx] = eid
         elif code == _W or (code == _B and not has_w[idx]):
             free_at[idx] = end
+            free_ev[idx] = eid
 
     # ---------------------------------------------------------------- run
     value: list[float | None] = [None] * (_NUM_SLOTS * n_cells)
@@ -330,6 +334,10 @@ def _simulate(schedule: Schedule, costs: Costs | None) -> SimResult:
     last_end = [0.0] * n_rk
     alloc_at = [0.0] * n_cells
     free_at: list[float | None] = [None] * n_cells
+    # Event numbers of the allocating and freeing actions: they order a rank's memory changes that
+    # happen at one time (all of them, when costs are 0) the way the rank runs them.
+    alloc_ev = [0] * n_cells
+    free_ev = [0] * n_cells
     waiting_on: dict[int, int] = {}
     ready = list(range(n_rk - 1, -1, -1))
     num_sends = 0
@@ -392,16 +400,19 @@ def _simulate(schedule: Schedule, costs: Costs | None) -> SimResult:
                 if code == _OVERLAP:
                     for part, share in zip(a.parts, shares, strict=True):
                         assert part.microbatch is not None
-                        account(_code(part), part.stage * n_mb + part.microbatch, share, start, end)
+                        account(_code(part), part.stage * n_mb + part.microbatch, share, start, end, eid)
                 else:
                     idx = s * n_mb + m
                     part_dur[code][idx] = d
                     if code == _F:
                         alloc_at[idx] = start
+                        alloc_ev[idx] = eid
                         if not any_backward:
                             free_at[idx] = end
+                            free_ev[idx] = eid
                     elif code == _W or (code == _B and not has_w[idx]):
                         free_at[idx] = end
+                        free_ev[idx] = eid
             elif code == _SF or code == _SB:
                 num_sends += 1
                 if end + comm > last_delivery:
@@ -421,7 +432,7 @@ def _simulate(schedule: Schedule, costs: Costs | None) -> SimResult:
     makespan = max(max(clock, default=0.0), last_delivery)  # a step ends when every message is delivered
 
     peak, peak_time, peak_bytes, peak_bytes_time = _memory(
-        rank_of, alloc_at, free_at, value, n_cells, n_mb, act_bytes, n_rk
+        rank_of, (alloc_at, alloc_ev), (free_at, free_ev), value, n_cells, n_mb, act_bytes, n_rk
     )
     return SimResult(
         schedule_name=schedule.name,
@@ -487,25 +498,32 @@ def _with_delivery_times(
 
 def _memory(
     rank_of: list[int],
-    alloc_at: list[float],
-    free_at: list[float | None],
+    alloc: tuple[list[float], list[int]],
+    free: tuple[list[float | None], list[int]],
     value: list[float | None],
     n_cells: int,
     n_mb: int,
     act_bytes: list[float] | None,
     n_rk: int,
 ) -> tuple[dict[int, int], dict[int, float], dict[int, float] | None, dict[int, float] | None]:
-    """Peak held activations per rank (and bytes), by a sweep over alloc/free times."""
-    per_rank: list[list[tuple[float, int, int]]] = [[] for _ in range(n_rk)]
+    """Peak held activations per rank (and bytes), by a sweep over alloc/free times.
+
+    Changes at one time sort by the event that makes them (the rank's program order), then an
+    action's allocation before its own free: with positive durations that is "frees first", and
+    with zero durations a forward still holds its activation until its backward.
+    """
+    alloc_at, alloc_ev = alloc
+    free_at, free_ev = free
+    per_rank: list[list[tuple[float, int, int, int]]] = [[] for _ in range(n_rk)]
     for idx in range(n_cells):
         if value[_F_END * n_cells + idx] is None:
             continue  # never computed
         s = idx // n_mb
         r = rank_of[s]
-        per_rank[r].append((alloc_at[idx], 1, s))
+        per_rank[r].append((alloc_at[idx], alloc_ev[idx], 0, s))
         freed = free_at[idx]
         if freed is not None:
-            per_rank[r].append((freed, 0, s))  # 0 sorts before 1: frees first at equal times
+            per_rank[r].append((freed, free_ev[idx], 1, s))
     peak: dict[int, int] = {}
     peak_time: dict[int, float] = {}
     peak_b: dict[int, float] = {}
@@ -514,8 +532,8 @@ def _memory(
         held = best = 0
         held_b = best_b = 0.0
         at = at_b = 0.0
-        for t, is_alloc, s in sorted(per_rank[r]):
-            delta = 1 if is_alloc else -1
+        for t, _, is_free, s in sorted(per_rank[r]):
+            delta = -1 if is_free else 1
             held += delta
             if held > best:
                 best, at = held, t

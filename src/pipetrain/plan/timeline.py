@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipetrain.plan._jsonio import read_json
+from pipetrain.plan._jsonio import parse_json_text, read_json
 from pipetrain.plan.errors import ScheduleError
 
 __all__ = ["Timeline", "TimelineEvent"]
@@ -143,5 +143,11 @@ class Timeline:
 
     @classmethod
     def from_json(cls, source: str | os.PathLike[str]) -> Timeline:
-        """Read a timeline from a JSON file path (or from JSON text starting with '{')."""
+        """Read a timeline from a JSON file; a string that names no existing file and starts with
+        '{' is parsed as JSON text (for older callers: :meth:`from_json_text` says so explicitly)."""
         return cls.from_dict(read_json(source, "timeline"))
+
+    @classmethod
+    def from_json_text(cls, text: str) -> Timeline:
+        """Read a timeline from JSON text (as :meth:`to_json` returns it)."""
+        return cls.from_dict(parse_json_text(text, "timeline"))

@@ -13,6 +13,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from pipetrain.plan.costs import Costs
 from pipetrain.plan.schedule import Schedule
 from pipetrain.plan.timeline import Timeline
 
@@ -53,11 +54,14 @@ def costs_from_timeline(timeline: Timeline, num_stages: int) -> dict[str, Any]:
     return out
 
 
-def _simulate(schedule: Schedule, measured: Timeline) -> Timeline:
-    from pipetrain.plan.costs import Costs
+def _measured_costs(schedule: Schedule, measured: Timeline) -> Costs:
+    """Each stage's mean measured F/B/I/W seconds, communication left out (what ``--costs`` takes)."""
+    return Costs(**costs_from_timeline(measured, schedule.num_stages), comm=0.0)
+
+
+def _simulate(schedule: Schedule, costs: Costs) -> Timeline:
     from pipetrain.plan.simulate import simulate
 
-    costs = Costs(**costs_from_timeline(measured, schedule.num_stages), comm=0.0)
     result = simulate(schedule, costs)
     timeline: Timeline = result.timeline
     timeline.title = f"{schedule.name or 'schedule'}: simulated (measured mean F/B/I/W per stage, no comm)"
@@ -112,7 +116,12 @@ def write_outputs(
         written.append(out / "measured_timeline.json")
         written += _draw([measured], out / "measured_timeline.png")
         written += _trace(measured, out / "measured_trace.json")
-        simulated = _simulate(schedule, measured)
+        costs = _measured_costs(schedule, measured)
+        # For `pipetrain plan --costs` / `simulate --costs`: plan for what this job measured.
+        (out / "costs.txt").write_text(f"{costs}\n", encoding="utf-8")
+        written.append(out / "costs.txt")
+        summary["costs"] = str(costs)
+        simulated = _simulate(schedule, costs)
         summary["measured_step_s"] = measured.makespan
         summary["measured_bubble"] = bubble_fraction(measured)
     if measured is not None and simulated is not None:
