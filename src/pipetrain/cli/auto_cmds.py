@@ -59,7 +59,7 @@ def _plan(args: argparse.Namespace) -> int:
     for cand in ranked[: max(1, args.top)]:
         mark = "->" if cand is ranked[0] and cand.fits else ""
         print(
-            f"{mark:2}{cand.name:24}{cand.stages_per_rank:>3}{cand.result.makespan:>11.2f}"
+            f"{mark:2}{cand.name:24}{cand.stages_per_rank:>3}{cand.result.makespan:>11.4g}"
             f"{100 * cand.result.bubble:>8.1f}%{cand.memory:>9.2f}  {'yes' if cand.fits else 'no'}"
         )
     best = ranked[0]
