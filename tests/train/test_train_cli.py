@@ -146,4 +146,14 @@ def test_a_schedule_file_sets_the_microbatches(
         f"pipetrain train: error: --microbatches 8 contradicts {path}, a schedule of 4 microbatches "
         "(leave --microbatches out)"
     )
-    assert len(seen) == 1
+    # --stages-per-rank was ignored for a file; now it must agree with the file's placement.
+    assert main(["train", "--schedule", str(path), "--stages-per-rank", "2"]) == 1
+    assert capsys.readouterr().err.strip() == (
+        f"pipetrain train: error: --stages-per-rank 2 contradicts {path}, a schedule of 2 stages on 2 ranks "
+        "(leave --stages-per-rank out)"
+    )
+    assert (
+        main(["train", "--schedule", str(path), "--stages-per-rank", "1", "--batch-size", "4", "--out", str(tmp_path)])
+        == 0
+    )
+    assert len(seen) == 2

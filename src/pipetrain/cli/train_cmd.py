@@ -110,6 +110,11 @@ def _train(args: argparse.Namespace) -> int:
                 f"--microbatches {args.microbatches} contradicts {args.schedule}, "
                 f"a schedule of {planned.num_microbatches} microbatches (leave --microbatches out)"
             )
+        if args.stages_per_rank is not None and (args.stages_per_rank * planned.num_ranks != planned.num_stages):
+            raise PipelineError(
+                f"--stages-per-rank {args.stages_per_rank} contradicts {args.schedule}, a schedule of "
+                f"{planned.num_stages} stages on {planned.num_ranks} ranks (leave --stages-per-rank out)"
+            )
         microbatches = planned.num_microbatches
         mb_source = f"the {microbatches} microbatches of {args.schedule}"
         if env is None and ranks is None:
