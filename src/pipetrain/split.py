@@ -13,7 +13,7 @@ import math
 import statistics
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import torch
@@ -96,7 +96,7 @@ def parameter_counts(layers: Sequence[nn.Module]) -> list[int]:
 
 
 def layer_times(
-    layers: Sequence[nn.Module],
+    layers: Iterable[nn.Module],
     sample_input: Any,
     *,
     repeats: int = 3,
@@ -111,6 +111,7 @@ def layer_times(
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
+    layers = list(layers)  # iterated more than once (a generator would be used up)
     grads = {id(p): (p, None if p.grad is None else p.grad.clone()) for layer in layers for p in layer.parameters()}
     buffers = {id(b): (b, b.clone()) for layer in layers for b in layer.buffers()}
     times: list[float] = []
@@ -154,12 +155,16 @@ def _fresh_input(x: Any) -> Any:
     return tree_map_only(torch.Tensor, leaf, x)
 
 
+class _Path(nn.Module):
+    """A container :class:`LayerStage` makes for one part of a dotted path (holds, never runs)."""
+
+
 class LayerStage(nn.Module):
     """Layers run one after another, registered under their paths in the whole model.
 
     What :func:`split_layers` returns when an ``nn.Sequential`` cannot carry the names: a path
     with dots (``blocks.3``) or a layer that runs twice. ``state_dict()`` keys are then the whole
-    model's keys; indexing, ``len`` and iteration follow the run order, like ``nn.Sequential``.
+    model's keys; ``len``, iteration and integer indexing follow the run order.
     """
 
     def __init__(self, named_layers: Sequence[tuple[str, nn.Module]]) -> None:
@@ -192,9 +197,9 @@ def _register(root: nn.Module, path: str, layer: nn.Module) -> None:
     for part in parents:
         child = node._modules.get(part)
         if child is None:
-            child = nn.ModuleDict()
+            child = _Path()  # a plain module: any name fits (a ModuleDict refuses "keys", "items", …)
             node.add_module(part, child)
-        elif not isinstance(child, nn.ModuleDict):
+        elif not isinstance(child, _Path):
             raise ValueError(f"layer {path!r} lies inside another layer of the same stage ({part!r})")
         node = child
     existing = node._modules.get(name)
@@ -208,6 +213,26 @@ def _named_layers(
     layers: Sequence[nn.Module] | Mapping[str, nn.Module] | nn.ModuleDict | nn.Sequential, model: nn.Module | None
 ) -> list[tuple[str, nn.Module]]:
     """Each layer with the name its stage registers it under (see :func:`split_layers`)."""
+    named = _names(layers, model)
+    # A layer inside another one given would put its parameters in two stages.
+    names = {name for name, _ in named}
+    for name in names:
+        parts = name.split(".")
+        for cut in range(1, len(parts)):
+            outer = ".".join(parts[:cut])
+            if outer in names:
+                raise ValueError(f"layer {name!r} lies inside layer {outer!r}; give one or the other")
+    return named
+
+
+def _names(
+    layers: Sequence[nn.Module] | Mapping[str, nn.Module] | nn.ModuleDict | nn.Sequential, model: nn.Module | None
+) -> list[tuple[str, nn.Module]]:
+    if model is not None:  # the model's paths win, whatever container holds the layers
+        if isinstance(layers, nn.Sequential):
+            layers = [m for m in layers._modules.values() if m is not None]
+        elif isinstance(layers, (Mapping, nn.ModuleDict)):
+            layers = list(layers.values())
     if isinstance(layers, nn.Sequential):
         # _modules, not named_children(): a module used twice (a shared activation) runs twice.
         return [(name, m) for name, m in layers._modules.items() if m is not None]
@@ -246,6 +271,7 @@ def split_layers(
     * an ``nn.Sequential``: its own keys;
     * a mapping ``{path: layer}``: the paths (``"blocks.0"`` is allowed);
     * a list with ``model=``: each layer's path in ``model`` (``[m.embed, *m.blocks, m.head]``);
+      with ``model=`` the model's paths name the layers of a Sequential or mapping too;
     * a list alone: its positions (``"0"``, ``"1"``, …).
 
     A stage is an ``nn.Sequential`` when the names allow it, else a :class:`LayerStage`.

@@ -233,3 +233,27 @@ def test_named_stages_train_in_a_pipeline_like_the_whole_model() -> None:
     got = {k: p.grad for s in stages for k, p in s.named_parameters()}
     for k, p in ref.named_parameters():
         torch.testing.assert_close(got[k], p.grad)
+
+
+class _Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.queries, self.keys, self.values = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+
+def test_model_paths_name_every_kind_of_layer_container() -> None:
+    # Found by review: model= was ignored for an nn.Sequential, paths through names a ModuleDict
+    # owns ("keys", "values") crashed, and a layer inside another given one was caught only when
+    # both fell in one stage (else its parameters were in two stages).
+    net = _Net()
+    net.attn = _Attention()
+    stages = split_layers(net.blocks[0], 2, model=net)  # an nn.Sequential inside the model
+    assert [k for s in stages for k in s.state_dict()] == ["blocks.0.0.weight", "blocks.0.0.bias"]
+    attn = [net.attn.queries, net.attn.keys, net.attn.values]
+    stages = split_layers(attn, 1, model=net)
+    assert list(stages[0].state_dict())[::2] == ["attn.queries.weight", "attn.keys.weight", "attn.values.weight"]
+    for parts in (1, 2):
+        with pytest.raises(ValueError, match=r"'blocks\.0' lies inside layer 'blocks'"):
+            split_layers([net.blocks, net.blocks[0]], parts, model=net)
+    # layer_times takes any iterable of layers, a generator too.
+    assert len(layer_times((m for m in attn), torch.randn(2, 4), repeats=1)) == 3
