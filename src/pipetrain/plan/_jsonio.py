@@ -1,4 +1,4 @@
-"""Reading the JSON files the planning layer writes (schedules, timelines).
+"""Reading the files the planning layer writes (JSON schedules and timelines, CSV text).
 
 A path is always a path: :func:`read_json_file` only reads files and :func:`parse_json_text` only
 parses text. :func:`read_json` keeps the older "a path or the JSON text itself" calls working
@@ -17,16 +17,22 @@ from typing import Any
 from pipetrain.plan.errors import ScheduleError
 
 
-def read_json_file(path: str | os.PathLike[str], what: str) -> Any:
-    """Parse the JSON file at ``path``."""
+def read_text(path: str | os.PathLike[str], *, newline: str | None = None) -> str:
+    """The UTF-8 text of the file at ``path``; a one-line ScheduleError naming it otherwise."""
     name = os.fspath(path)
     try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
+        with open(path, newline=newline, encoding="utf-8") as fh:
+            return fh.read()
     except UnicodeDecodeError as err:
         raise ScheduleError(f"{name}: not a UTF-8 text file ({err.reason})") from None
     except OSError as err:
         raise ScheduleError(f"cannot read {name}: {err.strerror or err}") from None
+
+
+def read_json_file(path: str | os.PathLike[str], what: str) -> Any:
+    """Parse the JSON file at ``path``."""
+    name = os.fspath(path)
+    text = read_text(path)
     try:
         return json.loads(text)
     except json.JSONDecodeError as err:

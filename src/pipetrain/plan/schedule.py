@@ -14,7 +14,7 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from pipetrain.plan._jsonio import is_json_text, parse_json_text, read_json, read_json_file
+from pipetrain.plan._jsonio import is_json_text, parse_json_text, read_json, read_json_file, read_text
 from pipetrain.plan.actions import Action, ActionKind
 from pipetrain.plan.errors import ScheduleError
 
@@ -363,13 +363,7 @@ class Schedule:
         Errors name the file once: "FILE: rank 0, step 3: ..." or "cannot read FILE: ...".
         """
         name = os.fspath(path)
-        try:
-            with open(path, newline="", encoding="utf-8") as fh:
-                text = fh.read()
-        except UnicodeDecodeError as err:
-            raise ScheduleError(f"{name}: not a UTF-8 text file ({err.reason})") from None
-        except OSError as err:
-            raise ScheduleError(f"cannot read {name}: {err.strerror or err}") from None
+        text = read_text(path, newline="")
         try:
             return cls.from_csv_text(text, name=os.path.splitext(os.path.basename(name))[0])
         except ScheduleError as err:
