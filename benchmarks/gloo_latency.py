@@ -12,8 +12,6 @@ compute added: that latency, not the runtime, is most of a small 1F1B step (READ
 
 from __future__ import annotations
 
-import os
-import socket
 import statistics
 import time
 
@@ -21,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+
+from _two_ranks import run_on_two_ranks
 
 MODES = ("none", "busy 100 us", "linear f+b")
 STEPS, WARMUP, ROUND_TRIPS = 200, 20, 8
@@ -70,23 +70,12 @@ def _run(rank: int, port: int, results: mp.Queue[object]) -> None:
 
 
 def main() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    ctx = mp.get_context("spawn")
-    results: mp.Queue[object] = ctx.Queue()
-    procs = [ctx.Process(target=_run, args=(r, port, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    rows = results.get()
-    for p in procs:
-        p.join()
+    rows = run_on_two_ranks(_run)
     print(
         f"{ROUND_TRIPS} dependent round trips of a 2x16 float tensor, 2 gloo ranks; median of {STEPS}, max over ranks"
     )
     print(f"{'between messages':<18} {'wall ms':>8} {'cpu ms':>8}")
-    for mode, wall, cpu in rows:  # type: ignore[union-attr]
+    for mode, wall, cpu in rows:
         print(f"{mode:<18} {wall * 1e3:8.2f} {cpu * 1e3:8.2f}")
 
 

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
-import socket
 import statistics
 import time
 from datetime import timedelta
@@ -23,6 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+
+from _two_ranks import run_on_two_ranks
 
 SCHEDULES = {"1F1B": 1, "Interleaved1F1B": 2, "ZBVZeroBubble": 2}
 # name: (width, layers per stage, batch, microbatches)
@@ -45,11 +45,11 @@ def _placement(name: str, world: int, v: int) -> dict[int, int]:
 
 def _bench(
     rank: int,
-    world: int,
     port: int,
+    results: mp.Queue[object],
+    world: int,
     steps: int,
     warmup: int,
-    results: mp.Queue[object],
     schedules: dict[str, int],
     models: dict[str, tuple[int, int, int, int]],
 ) -> None:
@@ -129,24 +129,10 @@ def main() -> None:
     for key in list(MODELS):
         if key.split()[0] not in opts.models.split(","):
             del MODELS[key]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    ctx = mp.get_context("spawn")
-    results: mp.Queue[object] = ctx.Queue()
-    procs = [
-        ctx.Process(target=_bench, args=(r, 2, port, opts.steps, opts.warmup, results, SCHEDULES, MODELS))
-        for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    rows = results.get()
-    for p in procs:
-        p.join()
+    rows = run_on_two_ranks(_bench, 2, opts.steps, opts.warmup, SCHEDULES, MODELS)
     print("median step time (wall clock) and CPU time per step, max over the 2 ranks; ratio = pipetrain / torch")
     print(f"{'model':<24} {'schedule':<16} {'torch ms':>9} {'pipetrain ms':>13} {'ratio':>6} {'cpu ratio':>10}")
-    for model_name, name, t_torch, t_ours, c_torch, c_ours in rows:  # type: ignore[union-attr]
+    for model_name, name, t_torch, t_ours, c_torch, c_ours in rows:
         print(
             f"{model_name:<24} {name:<16} {t_torch * 1e3:9.2f} {t_ours * 1e3:13.2f} {t_ours / t_torch:6.2f} "
             f"{c_ours / c_torch:10.2f}"
