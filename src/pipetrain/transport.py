@@ -93,9 +93,10 @@ class Layout:
     # (list, tuple): these skip pytree on both sides. None for anything else.
     simple: type | None = field(default=None, init=False, compare=False, repr=False)
     slots: tuple[list[tuple[int, int]], int] | None = field(default=None, init=False, compare=False, repr=False)
-    # A one-tensor message travels in a buffer of the tensor's own dtype (the header is 64 bytes,
-    # a whole number of elements): then the tensor is one strided view of it. ``(dtype, buffer
-    # elements, shape, strides, element offset)``; None for other messages.
+    # A one-tensor message (the tensor alone, or the only element of a flat list or tuple, as input
+    # gradients are) travels in a buffer of the tensor's own dtype (the header is 64 bytes, a whole
+    # number of elements): then the tensor is one strided view of it. ``(dtype, buffer elements,
+    # shape, strides, element offset)``; None for other messages.
     single: tuple[torch.dtype, int, tuple[int, ...], tuple[int, ...], int] | None = field(
         default=None, init=False, compare=False, repr=False
     )
@@ -111,7 +112,7 @@ class Layout:
                 kind in (list, tuple) and self.spec.num_children == n == self.spec.num_nodes - 1
             ):
                 object.__setattr__(self, "simple", kind)
-            if kind is torch.Tensor:
+            if n == 1 and self.simple is not None:  # one tensor, alone or in a list/tuple (input grads)
                 dtype, shape, _ = self.tensors[0]
                 size = _itemsize(dtype)
                 if (_HEADER * 8) % size == 0:

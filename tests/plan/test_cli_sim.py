@@ -61,6 +61,14 @@ def test_simulate_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> Non
     assert code == 1 and "3 per-stage values, but the schedule has 2 stages" in err
 
 
+def test_simulate_refuses_a_broken_file_naming_it(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "broken.csv"
+    path.write_text("0F0,0F1,0B0,0B1\n1F0,1B0,1F1,1B1,1F1\n")
+    code, out, err = run(capsys, "simulate", str(path))
+    assert code == 1 and out == ""
+    assert f"{path}: rank 1, step 4, action 1F1: duplicate 1F1" in err and "Traceback" not in err
+
+
 def test_compare_table(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "compare", "--ranks", "4", "--microbatches", "8")
     assert code == 0

@@ -194,6 +194,31 @@ def test_missing_send_in_lowered_schedule_is_reported() -> None:
         simulate(low)
 
 
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        ({0: ["0F0", "0F1", "0B0"], 1: ["1F0", "1B0", "1F1", "1B1"]}, r"rank 0, step 1, action 0F1: has no backward"),
+        (
+            {0: ["0F0", "0F1", "0B0", "0B1"], 1: ["1F0", "1B0", "1F1", "1B1", "1F1"]},
+            r"rank 1, step 4, action 1F1: duplicate 1F1, already at step 2",
+        ),
+    ],
+    ids=["missing-backward", "duplicate-forward"],
+)
+def test_a_broken_schedule_is_refused_not_timed(rows: dict[int, list[str]], message: str) -> None:
+    """Without the check these simulate quietly (a makespan for work that is not all there)."""
+    broken = sched(rows)
+    with pytest.raises(ScheduleError, match=message):
+        simulate(broken)
+    with pytest.raises(ScheduleError, match=message):
+        broken.validate()  # the same rule, the same words
+
+
+def test_check_false_skips_the_structure_scan() -> None:
+    forward_missing = sched({0: ["0F0", "0F1", "0B0"], 1: ["1F0", "1B0", "1F1", "1B1"]})
+    assert simulate(forward_missing, check=False).makespan == 7
+
+
 def test_per_stage_costs_must_match_stage_count() -> None:
     s = build_schedule("GPipe", 2, 2)
     with pytest.raises(ScheduleError, match="3 per-stage values, but the schedule has 2 stages"):

@@ -17,6 +17,9 @@ def _messages(round_: int) -> dict[str, object]:
         "a": torch.randn(n, 4, generator=g),
         "b": [torch.randn(2, generator=g), torch.randn(n, generator=g)],
         "c": {"x": torch.randn(1, n, generator=g), "tag": f"r{round_ // 2}"},
+        # One tensor in a list or tuple (input gradients travel so): the typed one-view buffer.
+        "d": [torch.randn(n, 2, generator=g).t()],
+        "e": (torch.arange(n, dtype=torch.int16),),
     }
 
 
@@ -42,6 +45,7 @@ def _exchange(rank: int, world: int, single_tag: bool) -> int:
                 if isinstance(want, dict):  # a plain value travels in the layout
                     assert isinstance(got, dict) and got["tag"] == want["tag"], (round_, key, got)
                     got, want = got["x"], want["x"]
+                assert type(got) is type(want), (round_, key, type(got))
                 torch.testing.assert_close(got, want, msg=lambda e, k=key, r=round_: f"round {r}, {k}: {e}")
                 checked += 1
         transport.finish()
@@ -52,7 +56,7 @@ def _exchange(rank: int, world: int, single_tag: bool) -> int:
 @pytest.mark.parametrize("single_tag", [False, True], ids=["tags", "single_tag"])
 def test_changing_layouts_match_with_and_without_tags(single_tag: bool) -> None:
     results = run_ranks(_exchange, 2, single_tag)
-    assert results == [0, 15]
+    assert results == [0, 25]
 
 
 @pytest.mark.parametrize("old, new", [(1, True), (1, 1.0), (0, False)])
@@ -65,3 +69,24 @@ def test_a_plain_value_of_another_type_is_a_new_layout(old: object, new: object)
     after, _ = layout_of({"x": t, "flag": new})
     assert not _same(before, after)
     assert _same(before, layout_of({"x": t, "flag": old})[0])
+
+
+@pytest.mark.parametrize("container", [None, list, tuple])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.complex128, torch.bool])
+def test_one_tensor_messages_are_one_view_of_a_typed_buffer(container: type | None, dtype: torch.dtype) -> None:
+    """A tensor alone or in a one-element list/tuple (input gradients) unpacks without a copy."""
+    from pipetrain.transport import _SAME, _pack, _recv_buffer, _unpack, layout_of, rebuild
+
+    t = (torch.arange(12).reshape(3, 4) % 2).to(dtype).t()  # non-contiguous on purpose
+    obj = t if container is None else container([t])
+    layout, tensors = layout_of(obj)
+    assert layout.single is not None and layout.single[0] is dtype
+    flat = _pack(_SAME, 0, 0, layout, tensors, torch.device("cpu"))
+    buffer = _recv_buffer(layout, torch.device("cpu"))
+    assert buffer.dtype is dtype and buffer.nbytes == flat.nbytes
+    buffer.view(torch.uint8).copy_(flat.view(torch.uint8))  # what the wire does
+    got = rebuild(layout, _unpack(buffer, layout))
+    assert type(got) is type(obj)
+    value = got if container is None else got[0]
+    assert value.data_ptr() != 0 and value.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+    torch.testing.assert_close(value, t)

@@ -7,7 +7,7 @@ import os
 
 from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.generators import build_schedule
-from pipetrain.plan.schedule import Schedule
+from pipetrain.plan.schedule import Schedule, is_schedule_file
 
 
 def add_size_arguments(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
@@ -20,7 +20,7 @@ def add_size_arguments(parser: argparse.ArgumentParser, *, required: bool = True
 
 def schedule_from_args(source: str, args: argparse.Namespace) -> Schedule:
     """A schedule named on the command line, or read from a .csv / .json file."""
-    if source.lower().endswith((".csv", ".json")) or os.path.sep in source:
+    if is_schedule_file(source):
         return Schedule.load(source)
     if args.ranks is None or args.microbatches is None:
         raise ScheduleError(f"building {source!r} needs --ranks and --microbatches")

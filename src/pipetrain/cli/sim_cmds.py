@@ -7,7 +7,13 @@ import json
 import sys
 from typing import Any
 
-from pipetrain.cli.common import PICTURE_NAMING, add_size_arguments, picture_path, schedule_from_args
+from pipetrain.cli.common import (
+    PICTURE_NAMING,
+    add_size_arguments,
+    is_schedule_file,
+    picture_path,
+    schedule_from_args,
+)
 from pipetrain.plan.costs import Costs
 from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.generators import build_schedule, schedule_names
@@ -63,9 +69,15 @@ def _costs(text: str) -> Costs:
 def _simulate(args: argparse.Namespace) -> int:
     pictures = [(picture_path(path, fmt), fmt) for path, fmt in ((args.png, "png"), (args.svg, "svg")) if path]
     schedule = schedule_from_args(args.schedule, args)
-    if args.lowered and not schedule.is_lowered:
-        schedule = schedule.lower()
-    result = simulate(schedule, _costs(args.costs))
+    costs = _costs(args.costs)
+    try:
+        if args.lowered and not schedule.is_lowered:
+            schedule = schedule.lower()
+        result = simulate(schedule, costs)
+    except ScheduleError as err:  # a broken or deadlocking file: say which file
+        if is_schedule_file(args.schedule):
+            raise ScheduleError(f"{args.schedule}: {err}") from None
+        raise
     written = _write_pictures(result, pictures, args.trace)
     if args.json:
         print(json.dumps(result.summary(), indent=1))

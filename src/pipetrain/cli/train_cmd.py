@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 from typing import Any
 
 _DEFAULTS: dict[str, Any] = {
@@ -86,6 +85,7 @@ def register(subparsers: Any) -> None:
 def _train(args: argparse.Namespace) -> int:
     # torch loads only here, so the planning commands stay torch-free.
     from pipetrain.errors import PipelineError
+    from pipetrain.plan.schedule import Schedule, is_schedule_file
     from pipetrain.train.launch import spawn, torchrun_env
     from pipetrain.train.loop import TrainConfig, plan_for, run_rank
 
@@ -99,11 +99,9 @@ def _train(args: argparse.Namespace) -> int:
     ranks = args.ranks
     microbatches = _DEFAULTS["microbatches"] if args.microbatches is None else args.microbatches
     mb_source = f"--microbatches {microbatches}"
-    if _is_schedule_file(args.schedule):
+    if is_schedule_file(args.schedule):
         # The file fixes the microbatch count (and, unless --ranks says otherwise, the ranks):
         # every check below must see its numbers, not the defaults.
-        from pipetrain.plan.schedule import Schedule
-
         planned = Schedule.load(args.schedule)
         if args.microbatches is not None and args.microbatches != planned.num_microbatches:
             raise PipelineError(
@@ -153,8 +151,3 @@ def _train(args: argparse.Namespace) -> int:
             )
     spawn(run_rank, cfg.ranks, cfg)
     return 0
-
-
-def _is_schedule_file(schedule: str) -> bool:
-    """Whether ``--schedule`` names a file rather than a schedule family (the rule ``plan_for`` uses)."""
-    return schedule.lower().endswith((".csv", ".json")) or "/" in schedule or os.sep in schedule

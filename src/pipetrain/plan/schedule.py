@@ -18,10 +18,16 @@ from pipetrain.plan._jsonio import is_json_text, parse_json_text, read_json, rea
 from pipetrain.plan.actions import Action, ActionKind
 from pipetrain.plan.errors import ScheduleError
 
-__all__ = ["Schedule"]
+__all__ = ["Schedule", "is_schedule_file"]
 
 _JSON_FORMAT = "pipetrain.schedule"
 _JSON_VERSION = 1
+
+
+def is_schedule_file(source: str) -> bool:
+    """Whether a schedule given as text (a CLI argument, a config value) names a file rather than a
+    generator: it ends in .csv / .json or holds a path separator. One rule for every command."""
+    return source.lower().endswith((".csv", ".json")) or "/" in source or os.sep in source
 
 
 _LISTED = 8  # missing stages named one by one in an error message before "and N more"

@@ -21,7 +21,7 @@ from torch import nn
 
 from pipetrain.errors import PipelineError
 from pipetrain.plan.generators import build_schedule
-from pipetrain.plan.schedule import Schedule
+from pipetrain.plan.schedule import Schedule, is_schedule_file
 from pipetrain.train.data import TextData
 from pipetrain.train.launch import DistEnv, init_process_group
 from pipetrain.train.model import GPT, MODEL_SIZES, GPTConfig, lm_loss
@@ -81,7 +81,7 @@ class TrainResult:
 def plan_for(cfg: TrainConfig, world_size: int) -> Schedule:
     """The compute-only schedule this run follows: built by name, or read from a CSV/JSON file."""
     source = cfg.schedule
-    if source.lower().endswith((".csv", ".json")) or "/" in source:
+    if is_schedule_file(source):
         schedule = Schedule.load(source)
         if schedule.num_ranks != world_size:
             raise PipelineError(f"{source} is a schedule for {schedule.num_ranks} ranks, but {world_size} ranks run")
@@ -199,7 +199,7 @@ def _report_outputs(out: Path, files: list[str]) -> None:
 
 
 def _make_schedule(pipetrain: Any, cfg: TrainConfig, schedule: Schedule, stages: list[Any]) -> Any:
-    if cfg.schedule.lower().endswith((".csv", ".json")) or "/" in cfg.schedule:
+    if is_schedule_file(cfg.schedule):
         return pipetrain.PipelineScheduleRuntime(stages, schedule, loss_fn=lm_loss)
     cls = pipetrain.get_schedule_class(cfg.schedule)
     single = isinstance(cls, type) and issubclass(cls, pipetrain.PipelineScheduleSingle)
