@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from pipetrain.errors import PipelineError
-from pipetrain.microbatch import merge_chunks, split_args_kwargs_into_chunks, split_into_chunks
+from pipetrain.microbatch import merge_chunks, split_args_kwargs_into_chunks, split_into_chunks, split_stage_kwargs
 from pipetrain.plan import Schedule, ScheduleError, build_schedule
 from pipetrain.plan.generators import family
 from pipetrain.plan.lower import forwards_only
@@ -140,12 +140,23 @@ class LocalPipeline:
         losses: list[Any] | None = None,
         return_outputs: bool = True,
         loss_kwargs: dict[str, Any] | None = None,
+        stage_kwargs: dict[int, dict[str, Any]] | None = None,
+        stage_kwargs_chunk_spec: dict[int, dict[str, Any]] | None = None,
         **kwargs: Any,
     ) -> Any:
-        """One training step over all stages (forward only without ``loss_fn``)."""
+        """One training step over all stages (forward only without ``loss_fn``); ``stage_kwargs``
+        as in :meth:`PipelineScheduleRuntime.step`."""
+        extra = (stage_kwargs, stage_kwargs_chunk_spec)
         if self.loss_fn is None:
             return self._run(
-                self._forward_schedule(), args, kwargs, None, None, train=False, return_outputs=return_outputs
+                self._forward_schedule(),
+                args,
+                kwargs,
+                None,
+                None,
+                train=False,
+                return_outputs=return_outputs,
+                extra=extra,
             )
         if target is None:
             raise PipelineError("LocalPipeline.step: loss_fn is set but no target was given")
@@ -161,6 +172,7 @@ class LocalPipeline:
             train=train,
             return_outputs=return_outputs,
             loss_kwargs=loss_kwargs,
+            extra=extra,
         )
 
     def eval(
@@ -170,6 +182,8 @@ class LocalPipeline:
         losses: list[Any] | None = None,
         return_outputs: bool = True,
         loss_kwargs: dict[str, Any] | None = None,
+        stage_kwargs: dict[int, dict[str, Any]] | None = None,
+        stage_kwargs_chunk_spec: dict[int, dict[str, Any]] | None = None,
         **kwargs: Any,
     ) -> Any:
         """Forward only, without autograd; the merged output of the last stage (and with a
@@ -183,6 +197,7 @@ class LocalPipeline:
             train=False,
             return_outputs=return_outputs,
             loss_kwargs=loss_kwargs,
+            extra=(stage_kwargs, stage_kwargs_chunk_spec),
         )
 
     def _forward_schedule(self) -> Schedule:
@@ -201,6 +216,7 @@ class LocalPipeline:
         train: bool,
         return_outputs: bool = True,
         loss_kwargs: dict[str, Any] | None = None,
+        extra: tuple[Any, Any] = (None, None),
     ) -> Any:
         step_index = self._step_count
         self._step_count += 1
@@ -208,6 +224,7 @@ class LocalPipeline:
         a, k = split_args_kwargs_into_chunks(args, kwargs, n, self._args_chunk_spec, self._kwargs_chunk_spec)
         inputs = list(zip(a, k, strict=True))
         targets = split_into_chunks(target, n, None, "target") if target is not None else None
+        stage_kwargs = split_stage_kwargs(extra[0], n, schedule.num_stages, range(schedule.num_stages), extra[1])
         transport = LocalTransport()
         programs = []
         for rank in range(schedule.num_ranks):
@@ -229,6 +246,7 @@ class LocalPipeline:
                 train=train,
                 keep_outputs=return_outputs,
                 loss_kwargs=loss_kwargs,
+                stage_kwargs={s: stage_kwargs[s] for s in schedule.stages_of(rank) if s in stage_kwargs},
             )
         t_start = time.perf_counter_ns()
         try:

@@ -27,6 +27,7 @@ __all__ = [
     "merge_chunks",
     "split_args_kwargs_into_chunks",
     "split_into_chunks",
+    "split_stage_kwargs",
 ]
 
 
@@ -184,6 +185,68 @@ def split_args_kwargs_into_chunks(
     args_out = [tuple(parts[i] for parts in arg_chunks) for i in range(chunks)]
     kwargs_out = [{k: parts[i] for k, parts in kwarg_chunks.items()} for i in range(chunks)]
     return args_out, kwargs_out
+
+
+def split_stage_kwargs(
+    stage_kwargs: Any,
+    chunks: int,
+    num_stages: int,
+    held: Sequence[int],
+    chunk_spec: Any = None,
+) -> dict[int, list[dict[str, Any]]]:
+    """Per stage in ``held``, its extra keyword inputs split into ``chunks`` microbatches.
+
+    ``stage_kwargs`` maps a stage index to keyword inputs that stage's forward takes besides what
+    the previous stage sends (an attention mask, position ids): data given on the rank that
+    holds the stage, not carried through the pipeline. Every rank may pass the same mapping;
+    stages held elsewhere are skipped. ``chunk_spec`` mirrors it (``{stage: {name: spec}}``,
+    default dim 0). Tensors that require grad are refused: no gradient flows back to them.
+    """
+    if stage_kwargs is None:
+        if chunk_spec is not None:
+            raise PipelineError("stage_kwargs_chunk_spec was given without stage_kwargs")
+        return {}
+    if not isinstance(stage_kwargs, dict):
+        raise PipelineError(
+            f"stage_kwargs must be a dict {{stage index: {{name: value}}}}, got {type(stage_kwargs).__name__}"
+        )
+    specs = chunk_spec or {}
+    if not isinstance(specs, dict) or not set(specs) <= set(stage_kwargs):
+        raise PipelineError(
+            "stage_kwargs_chunk_spec must be a dict over stages that stage_kwargs names "
+            f"({sorted(stage_kwargs)}), got {specs!r}"
+        )
+    out: dict[int, list[dict[str, Any]]] = {}
+    for stage, kwargs in stage_kwargs.items():
+        if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < num_stages:
+            raise PipelineError(
+                f"stage_kwargs: {stage!r} is not a stage index (the pipeline has stages 0..{num_stages - 1})"
+            )
+        if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+            raise PipelineError(f"stage_kwargs[{stage}] must be a dict of keyword names to values, got {kwargs!r}")
+        if stage not in held:
+            continue
+        spec = specs.get(stage) or {}
+        if not isinstance(spec, dict) or not set(spec) <= set(kwargs):
+            raise PipelineError(
+                f"stage_kwargs_chunk_spec[{stage}] must be a dict over the names stage_kwargs[{stage}] gives "
+                f"({sorted(kwargs)}), got {spec!r}"
+            )
+        parts: dict[str, list[Any]] = {}
+        for name, value in kwargs.items():
+            label = f"stage_kwargs[{stage}][{name!r}]"
+            if any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(value)):
+                hint = (
+                    f"have stage {stage - 1} return it, so it travels through the pipeline"
+                    if stage
+                    else "pass it to step() as a keyword argument instead"
+                )
+                raise PipelineError(
+                    f"{label} requires grad, but an input given this way gets no gradient; detach it, or {hint}"
+                )
+            parts[name] = split_into_chunks(value, chunks, spec.get(name), label)
+        out[stage] = [{name: chunks_[i] for name, chunks_ in parts.items()} for i in range(chunks)]
+    return out
 
 
 def _merge_leaf(name: str, values: list[Any], spec: _Spec) -> Any:

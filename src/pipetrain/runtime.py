@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_map
 
 from pipetrain.errors import PipelineError
-from pipetrain.microbatch import merge_chunks, split_args_kwargs_into_chunks, split_into_chunks
+from pipetrain.microbatch import merge_chunks, split_args_kwargs_into_chunks, split_into_chunks, split_stage_kwargs
 from pipetrain.plan import Action, ActionKind, Schedule, ScheduleError
 from pipetrain.plan.lower import forwards_only
 from pipetrain.plan.timeline import Timeline, TimelineEvent
@@ -236,6 +236,7 @@ class _Program:
         self.losses: dict[int, torch.Tensor] = {}
         self.outputs: dict[int, Any] = {}
         self.reduced: set[int] = set()
+        self.stage_kwargs: dict[int, list[dict[str, Any]]] = {}  # stage -> per-microbatch extra keywords
 
     def where(self) -> str:
         action = "" if self.action is None else f", action {self.action}"
@@ -254,9 +255,11 @@ class _Program:
         train: bool,
         keep_outputs: bool,
         loss_kwargs: dict[str, Any] | None = None,
+        stage_kwargs: dict[int, list[dict[str, Any]]] | None = None,
     ) -> Generator[None, None, None]:
         """Execute ``program``; yields while waiting for data (in-process mode only)."""
         self._reset()
+        self.stage_kwargs = stage_kwargs or {}
         self.step_index = step_index
         self.events = []
         self.inputs = dict(enumerate(inputs)) if inputs is not None else {}
@@ -463,6 +466,9 @@ class _Program:
                     f"{self.where()}: input of stage {s} for microbatch {m} was never received (no {s}RECV_F{m})"
                 )
             args, kwargs = _as_inputs(self.comm.take(handle))
+        extra = self.stage_kwargs.get(s)
+        if extra is not None:
+            kwargs = self._with_stage_kwargs(s, m, kwargs, extra[m])
         output = stage.forward_one_chunk(m, args, kwargs)
         if s == self.num_stages - 1:
             if self.loss_fn is not None:
@@ -486,6 +492,15 @@ class _Program:
             self.fwd_local[(s + 1, m)] = output
         else:
             self.to_send_f[(s, m)] = output
+
+    def _with_stage_kwargs(self, s: int, m: int, kwargs: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+        clash = sorted(extra.keys() & kwargs.keys())
+        if clash:
+            source = "step()'s keyword arguments" if s == 0 else f"stage {s - 1}'s output"
+            raise PipelineError(
+                f"{self.where()}: stage {s} microbatch {m} gets {clash} both from stage_kwargs and from {source}"
+            )
+        return {**kwargs, **extra}
 
     def _backward(self, s: int, m: int, full: bool) -> None:
         stage = self._stage(s)
@@ -922,20 +937,37 @@ class PipelineScheduleRuntime:
         losses: list[Any] | None = None,
         return_outputs: bool = True,
         loss_kwargs: dict[str, Any] | None = None,
+        stage_kwargs: dict[int, dict[str, Any]] | None = None,
+        stage_kwargs_chunk_spec: dict[int, dict[str, Any]] | None = None,
         **kwargs: Any,
     ) -> Any:
         """One training step (forward only when the runtime has no ``loss_fn``).
 
-        ``loss_kwargs`` go to every call of ``loss_fn``, as in torch.
+        ``loss_kwargs`` go to every call of ``loss_fn``, as in torch. ``stage_kwargs``
+        (``{stage index: {name: value}}``, beyond torch) gives any stage extra keyword inputs on
+        the rank that holds it, split into microbatches like the first stage's (dim 0 unless
+        ``stage_kwargs_chunk_spec`` says otherwise): data such as an attention mask that a later
+        stage needs, without threading it through every stage's outputs.
         """
+        extra = (stage_kwargs, stage_kwargs_chunk_spec)
         if self._loss_fn is None:
-            return self._run(self._forward_schedule(), args, kwargs, None, None, return_outputs, train=False)
+            return self._run(
+                self._forward_schedule(), args, kwargs, None, None, return_outputs, train=False, extra=extra
+            )
         train = not self._forward_only
         if train and self.backward_requires_autograd:
             require_autograd(f"rank {self.rank}: step()")
         # A forward-only schedule with a loss_fn computes losses (e.g. validation) without autograd.
         return self._run(
-            self.schedule, args, kwargs, target, losses, return_outputs, train=train, loss_kwargs=loss_kwargs
+            self.schedule,
+            args,
+            kwargs,
+            target,
+            losses,
+            return_outputs,
+            train=train,
+            loss_kwargs=loss_kwargs,
+            extra=extra,
         )
 
     def eval(
@@ -945,15 +977,25 @@ class PipelineScheduleRuntime:
         losses: list[Any] | None = None,
         return_outputs: bool = True,
         loss_kwargs: dict[str, Any] | None = None,
+        stage_kwargs: dict[int, dict[str, Any]] | None = None,
+        stage_kwargs_chunk_spec: dict[int, dict[str, Any]] | None = None,
         **kwargs: Any,
     ) -> Any:
         """Forward only, without autograd, on any schedule; the merged output on the last rank.
 
         With a ``target`` (on the last stage's rank) and a ``loss_fn``, ``losses`` gets each
-        microbatch's loss, as in torch.
+        microbatch's loss, as in torch. ``stage_kwargs`` as in :meth:`step`.
         """
         return self._run(
-            self._forward_schedule(), args, kwargs, target, losses, return_outputs, train=False, loss_kwargs=loss_kwargs
+            self._forward_schedule(),
+            args,
+            kwargs,
+            target,
+            losses,
+            return_outputs,
+            train=False,
+            loss_kwargs=loss_kwargs,
+            extra=(stage_kwargs, stage_kwargs_chunk_spec),
         )
 
     def _forward_schedule(self) -> Schedule:
@@ -972,6 +1014,7 @@ class PipelineScheduleRuntime:
         *,
         train: bool,
         loss_kwargs: dict[str, Any] | None = None,
+        extra: tuple[Any, Any] = (None, None),
     ) -> Any:
         dead = _DEAD_GROUPS.get(self._group_obj)
         if dead is not None:
@@ -990,6 +1033,7 @@ class PipelineScheduleRuntime:
                 self._agree(schedule)
             inputs = self._split_inputs(args, kwargs)
             targets = self._split_target(target, train)
+            stage_kwargs = split_stage_kwargs(extra[0], n, schedule.num_stages, list(self.stages), extra[1])
             gen = program.run(
                 schedule.actions[self.rank],
                 step_index=step_index,
@@ -1000,6 +1044,7 @@ class PipelineScheduleRuntime:
                 train=train,
                 keep_outputs=return_outputs,
                 loss_kwargs=loss_kwargs,
+                stage_kwargs=stage_kwargs,
             )
             if train:
                 for st in self._dp_stages:
