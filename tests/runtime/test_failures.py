@@ -342,6 +342,6 @@ def _stalled(rank: int, world: int) -> tuple[str, float]:
 
 def test_a_stalled_rank_is_bounded_by_the_timeout_and_named_as_the_suspect() -> None:
     (msg0, elapsed0), (msg1, _) = run_ranks(_stalled, 2, timeout=120)
-    assert 1.4 < elapsed0 < 4, (elapsed0, msg0)
+    assert 1.4 < elapsed0 < 10, (elapsed0, msg0)  # bounded by the 1.5 s timeout; slack for a loaded machine
     assert "timed out after 1.5 s" in msg0 and "rank 1, or a rank it waits for, may be stalled" in msg0, msg0
     assert "because rank 0, step 0" in msg1 and "may be stalled" in msg1, msg1
