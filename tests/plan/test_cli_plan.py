@@ -140,3 +140,77 @@ def test_passes_on_an_already_lowered_file_are_refused(
     # --lowered alone asks for nothing the file lacks
     code, out, _ = run(capsys, "show", str(path), "--lowered")
     assert code == 0 and "(lowered)" in out
+
+
+def test_a_bad_option_shows_the_sub_command_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["show", "1F1B", "-p", "2", "-m", "2", "-x"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: pipetrain show ") and "pipetrain show: error: unrecognized arguments: -x" in err
+
+
+def test_a_closed_pipe_is_not_an_error() -> None:
+    """`pipetrain show … | head`: no 'Broken pipe' message when the reader stops early."""
+    proc = subprocess.run(
+        f"{sys.executable} -m pipetrain show ZBVZeroBubble -p 16 -m 512 | head -1",
+        shell=True,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert proc.stdout.startswith("ZBVZeroBubble: 16 ranks") and proc.stderr == ""
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["export", "1F1B", "-p", "2", "-m", "2", "--csv", "{d}/x.json"], "--csv {d}/x.json: the name ends in .json but --csv writes CSV; name it {d}/x.csv"),
+        (["export", "1F1B", "-p", "2", "-m", "2", "--json", "{d}/x.csv"], "--json {d}/x.csv: the name ends in .csv but --json writes JSON"),
+        (["plan", "-p", "2", "-m", "4", "--csv", "{d}/x.json"], "--csv {d}/x.json: the name ends in .json"),
+        (["simulate", "1F1B", "-p", "2", "-m", "2", "--trace", "{d}/t.png"], "--trace {d}/t.png: the name ends in .png but --trace writes JSON"),
+        (["show", "ZBVZeroBubble", "-p", "4", "-m", "8", "--prefetch", "2"], "--prefetch sets how far FSDP unshards ahead; it needs --fsdp"),
+    ],
+)  # fmt: skip
+def test_output_names_and_flags_that_would_be_ignored_are_refused(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    code, _, err = run(capsys, *(a.format(d=tmp_path) for a in argv))
+    assert code == 1 and message.format(d=tmp_path) in err
+    assert list(tmp_path.iterdir()) == []  # refused before anything was written
+
+
+def test_export_without_an_extension_adds_it(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, out, _ = run(capsys, "export", "1F1B", "-p", "2", "-m", "2", "--json", str(tmp_path / "s"))
+    assert code == 0 and out.strip() == f"wrote {tmp_path / 's.json'}"
+    assert Schedule.load(tmp_path / "s.json") == build_schedule("1F1B", 2, 2)
+
+
+def test_size_flags_that_contradict_a_file_are_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "s.csv"
+    build_schedule("Interleaved1F1B", 2, 4, 2).to_csv(path)
+    code, _, err = run(capsys, "simulate", str(path), "-p", "4", "-m", "3")
+    assert code == 1 and f"--ranks 4 contradicts {path}, a schedule of 2 ranks (leave --ranks out)" in err
+    code, _, err = run(capsys, "show", str(path), "-v", "1")
+    assert code == 1 and "--stages-per-rank 1 contradicts" in err and "2 stages per rank" in err
+    code, out, _ = run(capsys, "show", str(path), "-p", "2", "-m", "4", "-v", "2")  # agreeing flags are fine
+    assert code == 0 and "2 ranks, 4 stages, 4 microbatches" in out
+
+
+def test_a_csv_named_json_gets_a_hint(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "s.json"
+    path.write_text(build_schedule("1F1B", 2, 2).to_csv_text())
+    code, _, err = run(capsys, "validate", str(path))
+    assert code == 1 and "malformed schedule JSON" in err and "is it a CSV file named .json?" in err
+
+
+def test_a_stray_largest_microbatch_names_its_action(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """torch 2.13's 1F1B order as its CSV writer gives it: the last rank runs one F too many."""
+    path = tmp_path / "t.csv"
+    path.write_text("0F0,0F1,0F2,0F3,0B0,0B1,0B2,0B3\n1F0,1B0,1F1,1B1,1F2,1B2,1F3,1B3,1F4\n")
+    code, _, err = run(capsys, "validate", str(path))
+    assert code == 1
+    assert (
+        f"{path}: rank 1, step 8, action 1F4: microbatch 4 implies 5 microbatches, but stage 0 has no forward 0F4"
+        in err
+    )

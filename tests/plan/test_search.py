@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -70,6 +71,24 @@ def test_cli_plan_writes_a_valid_schedule(tmp_path: Path, capsys: pytest.Capture
     text = capsys.readouterr().out
     assert "->" in text and "wrote" in text
     Schedule.from_csv(out).validate()
+
+
+def test_cli_plan_says_how_simulate_reproduces_its_numbers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """plan's costs are one rank's share; simulate's are per stage. The printed command agrees."""
+    out = tmp_path / "best.csv"
+    argv = ["plan", "-p", "8", "-m", "32", "--costs", "f=1,b=2,comm=0.1", "--memory-limit", "8", "--csv", str(out)]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    chosen = next(line for line in text.splitlines() if line.startswith("->")).split()
+    v, makespan, memory = int(chosen[1]), float(chosen[2]), float(chosen[4])  # "->Name v makespan bubble memory"
+    assert v > 1  # the case where the units differ
+    check = next(line for line in text.splitlines() if line.startswith("check it: pipetrain simulate"))
+    costs = check.split("--costs ")[1].strip("'")
+    assert main(["simulate", str(out), "--costs", costs, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert f"{result['makespan']:.4g}" == f"{makespan:.4g}"
+    assert max(result["peak_memory"].values()) == memory * v
+    assert f"its memory {memory:g} is {memory * v:g} stage activations" in text
 
 
 def test_cli_plan_infeasible_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:

@@ -157,3 +157,17 @@ def test_a_schedule_file_sets_the_microbatches(
         == 0
     )
     assert len(seen) == 2
+
+
+def test_problems_found_before_training_not_after(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Each of these used to train first (or not train at all) and fail or mislead at the end."""
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x")
+    assert main(["train", "--out", str(a_file), "--steps", "1"]) == 1
+    assert f"--out {a_file} is a file; give a directory" in capsys.readouterr().err
+    assert main(["train", "--schedule", "ForwardOnly", "--steps", "1"]) == 1
+    assert "ForwardOnly has no backward, so it cannot train" in capsys.readouterr().err
+    broken = tmp_path / "broken.csv"
+    broken.write_text("0F0,0F1,0B0\n1F0,1B0,1F1,1B1\n")
+    assert main(["train", "--schedule", str(broken), "--steps", "1"]) == 1
+    assert f"{broken}: rank 0, step 1, action 0F1: has no backward" in capsys.readouterr().err

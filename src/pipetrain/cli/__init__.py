@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -35,11 +36,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    for action in parser._actions:  # argparse keeps the sub-command parsers only here
+        if isinstance(action, argparse._SubParsersAction):
+            found: argparse.ArgumentParser = action.choices[command]
+            return found
+    return parser
+
+
+def _silence_stdout() -> None:
+    """The reader went away (``pipetrain show … | head``): drop further output, print no error."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # the sub-command's usage, not the top level's, says what it takes
+        _command_parser(parser, args.command).error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         code = args.func(args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _silence_stdout()
+        return 141  # as if killed by SIGPIPE, what `cmd | head` expects of a Unix tool
     except (ScheduleError, PipelineError, OSError) as err:
         print(f"pipetrain {args.command}: error: {err}", file=sys.stderr)
         return 1

@@ -6,6 +6,7 @@ import argparse
 import math
 from typing import Any
 
+from pipetrain.cli.common import OUTPUT_NAMING, schedule_output, write_schedule
 from pipetrain.plan.costs import Costs
 from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.search import rank_schedules
@@ -21,7 +22,9 @@ def register(subparsers: Any) -> None:
     plan.add_argument(
         "--costs",
         default="f=1,b=2",
-        help="per-stage durations, e.g. f=1,b=2,i=1,w=1,comm=0.1 (per-stage lists with ':', e.g. f=2:1:1:2)",
+        help="durations of one rank's share of the model, e.g. f=1,b=2,i=1,w=1,comm=0.1: a schedule with v "
+        "stages per rank runs each stage in 1/v of them, so every candidate runs the same model; or one value "
+        "per stage with ':' (e.g. f=2:1:1:2), which fixes the number of stages",
     )
     plan.add_argument(
         "--memory-limit",
@@ -31,8 +34,14 @@ def register(subparsers: Any) -> None:
     )
     plan.add_argument("--top", type=int, default=10, help="how many candidates to list")
     out = plan.add_mutually_exclusive_group()
-    out.add_argument("--csv", metavar="FILE", help="write the chosen schedule in torch's CSV format")
-    out.add_argument("--json", metavar="FILE", help="write the chosen schedule as JSON")
+    out.add_argument(
+        "--csv",
+        metavar="FILE",
+        help=f"write the chosen schedule in torch's CSV format ({OUTPUT_NAMING.format(fmt='csv')})",
+    )
+    out.add_argument(
+        "--json", metavar="FILE", help=f"write the chosen schedule as JSON ({OUTPUT_NAMING.format(fmt='json')})"
+    )
     plan.set_defaults(func=_plan)
 
 
@@ -48,6 +57,7 @@ def _plan(args: argparse.Namespace) -> int:
     if limit is not None and not (math.isfinite(limit) and limit >= 0):
         raise ScheduleError(f"--memory-limit must be a finite number >= 0, got {limit:g}")
     costs = Costs.parse(args.costs)
+    target = schedule_output(args)
     ranked = rank_schedules(
         args.ranks, args.microbatches, costs, args.memory_limit, stages_per_rank=args.stages_per_rank
     )
@@ -70,10 +80,18 @@ def _plan(args: argparse.Namespace) -> int:
             f"({least.name}, {least.stages_per_rank} stages per rank)"
         )
     best.schedule.validate()
-    if args.csv:
-        best.schedule.to_csv(args.csv)
-        print(f"wrote {args.csv}")
-    elif args.json:
-        best.schedule.to_json(args.json, indent=1)
-        print(f"wrote {args.json}")
+    stage_costs = costs.cut_into(best.stages_per_rank)
+    if stage_costs != costs:
+        # simulate takes costs per stage: say which ones reproduce these numbers for the file.
+        v = best.stages_per_rank
+        activations = (
+            f"; its memory {best.memory:g} is {best.memory * v:g} stage activations, as simulate counts"
+            if costs.activation_bytes is None
+            else ""
+        )
+        print(f"{best.name} with {v} stages per rank: each stage costs {stage_costs}{activations}")
+    if target is not None:
+        path = write_schedule(best.schedule, target)
+        print(f"wrote {path}")
+        print(f"check it: pipetrain simulate {path} --costs '{stage_costs}'")
     return 0

@@ -21,26 +21,57 @@ def add_size_arguments(parser: argparse.ArgumentParser, *, required: bool = True
 def schedule_from_args(source: str, args: argparse.Namespace) -> Schedule:
     """A schedule named on the command line, or read from a .csv / .json file."""
     if is_schedule_file(source):
-        return Schedule.load(source)
+        schedule = Schedule.load(source)
+        # A file fixes its sizes: a size flag that disagrees was meant for something else.
+        v = schedule.num_stages // schedule.num_ranks if schedule.num_stages % schedule.num_ranks == 0 else None
+        for flag, given, has in (
+            ("--ranks", args.ranks, schedule.num_ranks),
+            ("--microbatches", args.microbatches, schedule.num_microbatches),
+            ("--stages-per-rank", args.stages_per_rank, v),
+        ):
+            if given is not None and given != has:
+                what = f"{has} {flag[2:].replace('-', ' ')}" if has is not None else "stages unevenly spread over ranks"
+                raise ScheduleError(f"{flag} {given} contradicts {source}, a schedule of {what} (leave {flag} out)")
+        return schedule
     if args.ranks is None or args.microbatches is None:
         raise ScheduleError(f"building {source!r} needs --ranks and --microbatches")
     return build_schedule(source, args.ranks, args.microbatches, args.stages_per_rank)
 
 
-PICTURE_NAMING = "a name without an extension gets .{fmt}; one with another extension is refused"
-"""How --png/--svg treat the file name (for their --help)."""
+def schedule_output(args: argparse.Namespace) -> tuple[str, str] | None:
+    """``(path, "csv" | "json")`` from a command's ``--csv`` / ``--json`` FILE, checked before any work."""
+    for fmt in ("csv", "json"):
+        path = getattr(args, fmt, None)
+        if path:
+            return output_path(path, fmt), fmt
+    return None
 
 
-def picture_path(path: str, fmt: str) -> str:
-    """The file a ``--png`` / ``--svg`` flag writes: the flag fixes the format.
+def write_schedule(schedule: Schedule, target: tuple[str, str]) -> str:
+    path, fmt = target
+    if fmt == "csv":
+        schedule.to_csv(path)
+    else:
+        schedule.to_json(path, indent=1)
+    return path
+
+
+OUTPUT_NAMING = "a name without an extension gets .{fmt}; one with another extension is refused"
+"""How --png/--svg (and --csv/--json/--trace) treat the file name (for their --help)."""
+
+
+def output_path(path: str, fmt: str, flag: str | None = None) -> str:
+    """The file an output flag (``--png``, ``--csv``, ``--trace``...) writes: the flag fixes the format.
 
     ``out`` becomes ``out.png`` under ``--png``; ``out.svg`` under ``--png`` is refused rather
-    than written as PNG bytes behind an SVG name (or as SVG against the flag). Checked before
-    anything is simulated, so a typo costs nothing.
+    than written as PNG bytes behind an SVG name (a CSV behind a .json name, which every reader
+    then takes for JSON). Checked before any work, so a typo costs nothing. ``flag`` names the
+    option when it is not ``--{fmt}`` (``--trace`` writes json).
     """
+    option = f"--{flag or fmt}"
     if path.endswith(("/", os.sep)) or os.path.isdir(path):
         raise ScheduleError(
-            f"--{fmt} {path}: is a directory; give a file name such as {os.path.join(path, 'timeline.' + fmt)}"
+            f"{option} {path}: is a directory; give a file name such as {os.path.join(path, 'out.' + fmt)}"
         )
     root, ext = os.path.splitext(path)
     if not ext:
@@ -48,5 +79,5 @@ def picture_path(path: str, fmt: str) -> str:
     if ext.lower() == f".{fmt}":
         return path
     raise ScheduleError(
-        f"--{fmt} {path}: the name ends in {ext} but --{fmt} writes {fmt.upper()}; name it {root}.{fmt}"
+        f"{option} {path}: the name ends in {ext} but {option} writes {fmt.upper()}; name it {root}.{fmt}"
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from pipetrain.cli.common import add_size_arguments, schedule_from_args
+from pipetrain.cli.common import OUTPUT_NAMING, add_size_arguments, schedule_from_args, schedule_output, write_schedule
 from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.generators import schedule_names
 from pipetrain.plan.schedule import Schedule
@@ -24,8 +24,12 @@ def register(subparsers: Any) -> None:
     add_size_arguments(export, required=False)
     _add_lowering_arguments(export)
     target = export.add_mutually_exclusive_group(required=True)
-    target.add_argument("--csv", metavar="FILE", help="write torch's CSV format (one row per rank)")
-    target.add_argument("--json", metavar="FILE", help="write pipetrain's JSON format")
+    target.add_argument(
+        "--csv", metavar="FILE", help=f"write torch's CSV format, one row per rank ({OUTPUT_NAMING.format(fmt='csv')})"
+    )
+    target.add_argument(
+        "--json", metavar="FILE", help=f"write pipetrain's JSON format ({OUTPUT_NAMING.format(fmt='json')})"
+    )
     export.set_defaults(func=_export)
 
     validate = subparsers.add_parser("validate", help="check a CSV/JSON schedule; exit 1 with the reason if broken")
@@ -40,7 +44,7 @@ def _add_lowering_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--fsdp", action="store_true", help="lowered, with FSDP UNSHARD/RESHARD actions")
     parser.add_argument(
-        "--prefetch", type=int, default=1, help="FSDP: unshard this many compute actions ahead (default 1)"
+        "--prefetch", type=int, default=None, help="with --fsdp: unshard this many compute actions ahead (default 1)"
     )
     parser.add_argument(
         "--merge-iw", action="store_true", help="lowered, with each I directly followed by its W merged into B"
@@ -52,6 +56,8 @@ def _load(args: argparse.Namespace) -> Schedule:
     schedule.validate()
     passes = [f"--{flag.replace('_', '-')}" for flag in ("grad_reduce", "fsdp", "merge_iw") if getattr(args, flag)]
     args.lowered = args.lowered or bool(passes)
+    if args.prefetch is not None and not args.fsdp:
+        raise ScheduleError("--prefetch sets how far FSDP unshards ahead; it needs --fsdp")
     if schedule.is_lowered and passes:
         # Its SEND/RECV (and any FSDP actions) are fixed already; silently ignoring the flags misleads.
         raise ScheduleError(
@@ -60,7 +66,8 @@ def _load(args: argparse.Namespace) -> Schedule:
         )
     if not args.lowered or schedule.is_lowered:
         return schedule
-    return schedule.lower(grad_reduce=args.grad_reduce, fsdp=args.fsdp, prefetch=args.prefetch, merge_iw=args.merge_iw)
+    prefetch = 1 if args.prefetch is None else args.prefetch
+    return schedule.lower(grad_reduce=args.grad_reduce, fsdp=args.fsdp, prefetch=prefetch, merge_iw=args.merge_iw)
 
 
 def _show(args: argparse.Namespace) -> int:
@@ -74,13 +81,10 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    target = schedule_output(args)
+    assert target is not None  # argparse requires --csv or --json
     schedule = _load(args)
-    if args.csv:
-        schedule.to_csv(args.csv)
-        print(f"wrote {args.csv}")
-    else:
-        schedule.to_json(args.json, indent=1)
-        print(f"wrote {args.json}")
+    print(f"wrote {write_schedule(schedule, target)}")
     return 0
 
 

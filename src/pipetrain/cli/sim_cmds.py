@@ -8,10 +8,10 @@ import sys
 from typing import Any
 
 from pipetrain.cli.common import (
-    PICTURE_NAMING,
+    OUTPUT_NAMING,
     add_size_arguments,
     is_schedule_file,
-    picture_path,
+    output_path,
     schedule_from_args,
 )
 from pipetrain.plan.costs import Costs
@@ -34,12 +34,16 @@ def register(subparsers: Any) -> None:
     sim.add_argument("--costs", default="", metavar="SPEC", help=_COSTS_HELP)
     sim.add_argument("--lowered", action="store_true", help="simulate the lowered schedule (with SEND/RECV)")
     sim.add_argument(
-        "--png", metavar="FILE", help=f"write the timeline picture as PNG ({PICTURE_NAMING.format(fmt='png')})"
+        "--png", metavar="FILE", help=f"write the timeline picture as PNG ({OUTPUT_NAMING.format(fmt='png')})"
     )
     sim.add_argument(
-        "--svg", metavar="FILE", help=f"write the timeline picture as SVG ({PICTURE_NAMING.format(fmt='svg')})"
+        "--svg", metavar="FILE", help=f"write the timeline picture as SVG ({OUTPUT_NAMING.format(fmt='svg')})"
     )
-    sim.add_argument("--trace", metavar="FILE", help="write a Chrome trace (Perfetto, chrome://tracing)")
+    sim.add_argument(
+        "--trace",
+        metavar="FILE",
+        help=f"write a Chrome trace, JSON (Perfetto, chrome://tracing; {OUTPUT_NAMING.format(fmt='json')})",
+    )
     sim.add_argument("--grid", action="store_true", help="print a text grid aligned to simulated time")
     sim.add_argument("--json", action="store_true", help="print the result summary as JSON on stdout")
     sim.set_defaults(func=_simulate)
@@ -56,7 +60,7 @@ def register(subparsers: Any) -> None:
     cmp.add_argument(
         "--png",
         metavar="FILE",
-        help=f"write one PNG picture stacking every schedule's timeline ({PICTURE_NAMING.format(fmt='png')})",
+        help=f"write one PNG picture stacking every schedule's timeline ({OUTPUT_NAMING.format(fmt='png')})",
     )
     cmp.add_argument("--json", action="store_true", help="print the rows as JSON on stdout")
     cmp.set_defaults(func=_compare)
@@ -67,7 +71,8 @@ def _costs(text: str) -> Costs:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    pictures = [(picture_path(path, fmt), fmt) for path, fmt in ((args.png, "png"), (args.svg, "svg")) if path]
+    pictures = [(output_path(path, fmt), fmt) for path, fmt in ((args.png, "png"), (args.svg, "svg")) if path]
+    trace = output_path(args.trace, "json", "trace") if args.trace else None
     schedule = schedule_from_args(args.schedule, args)
     costs = _costs(args.costs)
     try:
@@ -78,7 +83,7 @@ def _simulate(args: argparse.Namespace) -> int:
         if is_schedule_file(args.schedule):
             raise ScheduleError(f"{args.schedule}: {err}") from None
         raise
-    written = _write_pictures(result, pictures, args.trace)
+    written = _write_pictures(result, pictures, trace)
     if args.json:
         print(json.dumps(result.summary(), indent=1))
         return 0
@@ -170,7 +175,7 @@ def _count_sends(schedule: Schedule) -> int | None:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    png = picture_path(args.png, "png") if args.png else None
+    png = output_path(args.png, "png") if args.png else None
     if args.stages_per_rank is not None and args.stages_per_rank < 1:
         raise ScheduleError(f"--stages-per-rank must be >= 1, got {args.stages_per_rank}")
     costs = _costs(args.costs)

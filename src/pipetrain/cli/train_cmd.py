@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 from typing import Any
 
 _DEFAULTS: dict[str, Any] = {
@@ -118,6 +119,8 @@ def _train(args: argparse.Namespace) -> int:
         if env is None and ranks is None:
             ranks = planned.num_ranks
     out = args.out or f"runs/{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    if os.path.exists(out) and not os.path.isdir(out):  # found now, not after the whole run
+        raise PipelineError(f"--out {out} is a file; give a directory (it is created if missing)")
     cfg = TrainConfig(
         ranks=env.world_size if env is not None else (ranks or _DEFAULTS["ranks"]),
         stages_per_rank=args.stages_per_rank,

@@ -36,7 +36,13 @@ def read_json_file(path: str | os.PathLike[str], what: str) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as err:
-        raise ScheduleError(f"{name}: malformed {what} JSON: {err}") from None
+        start = text.lstrip()[:1]
+        hint = (
+            f" (it starts with {start!r}, not '{{': is it a CSV file named .json?)"
+            if start not in ("{", "[", "")
+            else ""
+        )
+        raise ScheduleError(f"{name}: malformed {what} JSON: {err}{hint}") from None
 
 
 def parse_json_text(text: str, what: str) -> Any:

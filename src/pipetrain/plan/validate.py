@@ -36,7 +36,7 @@ from pipetrain.plan.passes._graph import (
     cross_rank_flags,
     gc_paused,
 )
-from pipetrain.plan.schedule import Schedule
+from pipetrain.plan.schedule import Schedule, microbatch_gap
 
 __all__ = ["validate"]
 
@@ -264,6 +264,9 @@ def _check_completeness(index: _Index) -> None:
                         raise ScheduleError(
                             f"rank {rank}, step {step}, action {what}: its forward {s}F{m} is missing; {_COMPLETENESS}"
                         )
+                if m == M - 1 and any(node_step[t * M + m] >= 0 for t in range(S)):
+                    # The largest microbatch exists elsewhere: most often a stray index; name its action.
+                    raise ScheduleError(microbatch_gap(index.schedule.actions, S, M, M - 1))
                 raise ScheduleError(f"rank {rank}: stage {s} microbatch {m} has no forward {s}F{m}; {_COMPLETENESS}")
             if not backward:
                 continue

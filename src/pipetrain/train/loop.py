@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipetrain.errors import PipelineError
+from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.generators import build_schedule
 from pipetrain.plan.schedule import Schedule, is_schedule_file
 from pipetrain.train.data import TextData
@@ -81,13 +82,22 @@ class TrainResult:
 def plan_for(cfg: TrainConfig, world_size: int) -> Schedule:
     """The compute-only schedule this run follows: built by name, or read from a CSV/JSON file."""
     source = cfg.schedule
-    if is_schedule_file(source):
+    from_file = is_schedule_file(source)
+    if from_file:
         schedule = Schedule.load(source)
         if schedule.num_ranks != world_size:
             raise PipelineError(f"{source} is a schedule for {schedule.num_ranks} ranks, but {world_size} ranks run")
     else:
         schedule = build_schedule(source, world_size, cfg.microbatches, cfg.stages_per_rank)
-    schedule.validate()
+    try:
+        schedule.validate()
+    except ScheduleError as err:
+        raise ScheduleError(f"{source}: {err}" if from_file else str(err)) from None
+    if not schedule.has_backward:
+        raise PipelineError(
+            f"{source} has no backward, so it cannot train (a forward-only schedule is for inference: "
+            "run it with the schedule's eval())"
+        )
     return schedule
 
 
