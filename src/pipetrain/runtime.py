@@ -496,9 +496,10 @@ class _Program:
     def _with_stage_kwargs(self, s: int, m: int, kwargs: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
         clash = sorted(extra.keys() & kwargs.keys())
         if clash:
+            given = "stage_kwargs" if s == 0 else "the keyword inputs given to step() (its keywords or stage_kwargs)"
             source = "step()'s keyword arguments" if s == 0 else f"stage {s - 1}'s output"
             raise PipelineError(
-                f"{self.where()}: stage {s} microbatch {m} gets {clash} both from stage_kwargs and from {source}"
+                f"{self.where()}: stage {s} microbatch {m} gets {clash} both from {given} and from {source}"
             )
         return {**kwargs, **extra}
 
@@ -807,6 +808,7 @@ class PipelineScheduleRuntime:
             story = self._failure.check()
         if story is not None:
             raise PipelineError(f"rank {self.rank}: {_dead_group(story)}")
+        self._planned = schedule  # as given (what _dump_csv writes in compute_only form)
         try:
             self.schedule = prepare_schedule(schedule, **self._lower_options)
         except PipelineError as err:  # every rank refuses the same schedule, before any communication
@@ -839,6 +841,94 @@ class PipelineScheduleRuntime:
         self._step_count = 0
         self._last_events: tuple[list[tuple[Action, int, int]], int, Schedule] | None = None
         self._agreed: set[int] = set()  # ids of the schedules the ranks have been checked to agree on
+
+    # ------------------------------------------------- torch's names and CSV files
+    @property
+    def _stages(self) -> list[PipelineStage]:
+        """This rank's stages (torch's attribute on multi-stage schedules)."""
+        return self._stage_list
+
+    @property
+    def _stage(self) -> PipelineStage:
+        """This rank's only stage (torch's attribute on single-stage schedules)."""
+        return self._stage_list[0]
+
+    @property
+    def _n_microbatches(self) -> int:
+        return self.n_microbatches
+
+    @property
+    def _num_stages(self) -> int:
+        return self.schedule.num_stages
+
+    @property
+    def _has_backward(self) -> bool:
+        return not self._forward_only
+
+    @property
+    def pp_group_size(self) -> int:
+        return self.world
+
+    @property
+    def stage_index_to_group_rank(self) -> dict[int, int]:
+        return dict(self.schedule.stage_to_rank)
+
+    @property
+    def pipeline_order(self) -> dict[int, list[Action | None]]:
+        """Every rank's compute actions, step by step (torch's attribute; ``None`` is idle)."""
+        return {r: list(a) for r, a in self._planned.actions.items()}
+
+    @property
+    def pipeline_order_with_comms(self) -> dict[int, list[Action | None]]:
+        """Every rank's actions as this runtime runs them, SEND/RECV included."""
+        return {r: list(a) for r, a in self.schedule.actions.items()}
+
+    def _load_csv(self, filename: str, format: str = "compute_only") -> None:
+        """Run the schedule in a CSV file in torch's format from now on (torch's method of the
+        same name; ``pipetrain.plan.Schedule.from_csv`` reads the same files).
+
+        ``format``: ``"compute_only"`` (F/B/I/W; SEND/RECV are added here) or ``"compute_comms"``
+        (already holding them). The file must place this rank's stages where they are and have
+        this runtime's number of microbatches; it is validated before anything runs.
+        """
+        if format not in ("compute_only", "compute_comms"):
+            raise ValueError(f"format must be 'compute_only' or 'compute_comms', got {format!r}")
+        try:
+            schedule = Schedule.from_csv(filename)
+        except ScheduleError as err:
+            raise PipelineError(f"rank {self.rank}: {err}") from None
+        if (format == "compute_comms") != schedule.is_lowered:
+            has = "holds" if schedule.is_lowered else "has no"
+            raise PipelineError(
+                f"rank {self.rank}: {filename} {has} SEND/RECV actions; load it with "
+                f"format={'compute_comms' if schedule.is_lowered else 'compute_only'!r}"
+            )
+        n = getattr(self, "n_microbatches", schedule.num_microbatches)
+        if schedule.num_microbatches != n:
+            raise PipelineError(
+                f"rank {self.rank}: {filename} is a schedule of {schedule.num_microbatches} microbatches, "
+                f"but this schedule was built for n_microbatches={n}"
+            )
+        self._use_schedule(schedule, filename)
+
+    def _use_schedule(self, schedule: Schedule, source: str) -> None:
+        try:
+            prepared = prepare_schedule(schedule, **self._lower_options)
+            self._check_stages(prepared)
+        except PipelineError as err:
+            raise PipelineError(f"{source}: {err}") from None
+        self._planned, self.schedule = schedule, prepared
+        self._forward_only = not prepared.has_backward
+        self._eval_schedule = None
+        self._program = _Program(
+            self.rank, self.stages, prepared.stage_to_rank, prepared.num_stages, self._program.comm
+        )
+
+    def _dump_csv(self, filename: str, format: str = "compute_only") -> None:
+        """Write this runtime's schedule in torch's CSV format (torch's method of the same name)."""
+        if format not in ("compute_only", "compute_comms"):
+            raise ValueError(f"format must be 'compute_only' or 'compute_comms', got {format!r}")
+        (self._planned if format == "compute_only" else self.schedule).to_csv(filename)
 
     # -------------------------------------------------------------- set-up
     def _rank_and_world(self) -> tuple[int, int]:
@@ -1031,9 +1121,13 @@ class PipelineScheduleRuntime:
         try:
             if id(schedule) not in self._agreed:
                 self._agree(schedule)
+            if losses is not None and not isinstance(losses, list):
+                raise PipelineError(
+                    f"rank {self.rank}: losses must be a list (step fills it in place), got {type(losses).__name__}"
+                )
             inputs = self._split_inputs(args, kwargs)
             targets = self._split_target(target, train)
-            stage_kwargs = split_stage_kwargs(extra[0], n, schedule.num_stages, list(self.stages), extra[1])
+            stage_kwargs = self._stage_keywords(kwargs, inputs, extra)
             gen = program.run(
                 schedule.actions[self.rank],
                 step_index=step_index,
@@ -1079,6 +1173,38 @@ class PipelineScheduleRuntime:
             args, kwargs, self.n_microbatches, self._args_chunk_spec, self._kwargs_chunk_spec
         )
         return list(zip(a, k, strict=True))
+
+    def _stage_keywords(
+        self,
+        kwargs: dict[str, Any],
+        inputs: list[tuple[tuple[Any, ...], dict[str, Any]]] | None,
+        extra: tuple[Any, Any],
+    ) -> dict[int, list[dict[str, Any]]]:
+        """Per stage held here (but stage 0, whose inputs carry them), the keyword inputs of each
+        microbatch: ``step()``'s keyword arguments go to every stage of this rank, as in torch
+        (an attention mask each block needs), and ``stage_kwargs`` to the stage it names."""
+        n = self.n_microbatches
+        per_stage = split_stage_kwargs(extra[0], n, self.schedule.num_stages, list(self.stages), extra[1])
+        later = [s for s in self.stages if s != 0]
+        if not kwargs or not later:
+            return per_stage
+        if inputs is not None:  # split once: the first stage's split has them
+            chunks = [k for _, k in inputs]
+        else:
+            chunks = split_args_kwargs_into_chunks((), kwargs, n, None, self._kwargs_chunk_spec)[1]
+        for s in later:
+            own = per_stage.get(s)
+            if own is not None:
+                clash = sorted(own[0].keys() & kwargs.keys())
+                if clash:
+                    raise PipelineError(
+                        f"{self._program.where()}: stage {s} gets {clash} both from step()'s keyword arguments "
+                        "and from stage_kwargs"
+                    )
+                per_stage[s] = [{**chunk, **mine} for chunk, mine in zip(chunks, own, strict=True)]
+            else:
+                per_stage[s] = chunks
+        return per_stage
 
     def _split_target(self, target: Any, train: bool) -> list[Any] | None:
         if not self.has_last_stage or self._loss_fn is None or (not train and target is None):

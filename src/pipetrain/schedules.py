@@ -10,13 +10,14 @@ kwargs_chunk_spec=None, output_merge_spec=None, scale_grads=True)`` and torch's 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch.distributed as dist
 
 from pipetrain.errors import PipelineError
-from pipetrain.plan import ScheduleError, build_schedule
+from pipetrain.plan import Schedule, ScheduleError, build_schedule
 from pipetrain.runtime import LossFn, PipelineScheduleRuntime, announce_failure
 from pipetrain.stage import PipelineStage
 
@@ -67,7 +68,20 @@ class _NamedSchedule(PipelineScheduleRuntime):
         if not stage_list:
             raise PipelineError(f"{name} needs at least one PipelineStage")
         if not self.schedule_name:
-            raise PipelineError(f"{name} names no schedule; use a concrete class or PipelineScheduleRuntime")
+            # torch's CSV route: PipelineScheduleMulti(stages, n, loss_fn) then _load_csv(path).
+            self._pending: dict[str, Any] | None = dict(
+                stages=stage_list,
+                loss_fn=loss_fn,
+                scale_grads=scale_grads,
+                args_chunk_spec=args_chunk_spec,
+                kwargs_chunk_spec=kwargs_chunk_spec,
+                output_merge_spec=output_merge_spec,
+                backward_requires_autograd=backward_requires_autograd,
+                **options,
+            )
+            self.n_microbatches = n_microbatches
+            return
+        self._pending = None
         group = options.get("group", stage_list[0].group)
         if not dist.is_available() or not dist.is_initialized():
             raise PipelineError(f"{name} needs an initialised torch.distributed process group")
@@ -95,9 +109,59 @@ class _NamedSchedule(PipelineScheduleRuntime):
             **options,
         )
 
+    def _load_csv(self, filename: str, format: str = "compute_only") -> None:
+        pending = self._pending
+        if pending is None:
+            super()._load_csv(filename, format)
+            return
+        stages = pending.pop("stages")
+        loss_fn, scale_grads = pending.pop("loss_fn"), pending.pop("scale_grads")
+        specs = pending.pop("args_chunk_spec"), pending.pop("kwargs_chunk_spec"), pending.pop("output_merge_spec")
+        try:
+            schedule = Schedule.from_csv(filename)
+        except ScheduleError as err:
+            raise PipelineError(f"{err}") from None
+        if schedule.num_microbatches != self.n_microbatches:
+            raise PipelineError(
+                f"{filename} is a schedule of {schedule.num_microbatches} microbatches, "
+                f"but this schedule was built for n_microbatches={self.n_microbatches}"
+            )
+        if (format == "compute_comms") != schedule.is_lowered and format in ("compute_only", "compute_comms"):
+            raise PipelineError(
+                f"{filename} {'holds' if schedule.is_lowered else 'has no'} SEND/RECV actions; load it with "
+                f"format={'compute_comms' if schedule.is_lowered else 'compute_only'!r}"
+            )
+        self._pending = None
+        PipelineScheduleRuntime.__init__(self, stages, schedule, loss_fn, scale_grads, *specs, **pending)
+
+    def _not_loaded(self) -> None:
+        if self._pending is not None:
+            raise PipelineError(
+                f"{type(self).__name__} names no schedule: load one with _load_csv(path) first, or use a "
+                "concrete class (ScheduleInterleaved1F1B, ...) or PipelineScheduleRuntime(stages, schedule)"
+            )
+
+    @functools.wraps(PipelineScheduleRuntime.step)
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        self._not_loaded()
+        return super().step(*args, **kwargs)
+
+    @functools.wraps(PipelineScheduleRuntime.eval)
+    def eval(self, *args: Any, **kwargs: Any) -> Any:
+        self._not_loaded()
+        return super().eval(*args, **kwargs)
+
 
 class PipelineScheduleMulti(_NamedSchedule):
-    """A named schedule with any number of stages per rank (a list of this rank's stages)."""
+    """A named schedule with any number of stages per rank (a list of this rank's stages).
+
+    Built directly, it names no schedule: load one from torch's CSV format with ``_load_csv``, as
+    with torch's ``PipelineScheduleMulti`` and ``_PipelineScheduleRuntime``.
+    """
+
+
+class _PipelineScheduleRuntime(PipelineScheduleMulti):
+    """torch's name for a multi-stage schedule that runs a CSV file (``_load_csv``)."""
 
 
 class PipelineScheduleSingle(_NamedSchedule):

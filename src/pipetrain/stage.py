@@ -66,6 +66,12 @@ def _as_device(device: torch.device | str | int) -> torch.device:
     return torch.device(device)
 
 
+def _is_process_group(value: object) -> bool:
+    import torch.distributed as dist
+
+    return isinstance(value, dist.ProcessGroup)
+
+
 class PipelineStage:
     """Stage ``stage_index`` of ``num_stages``, running ``submodule`` on ``device``.
 
@@ -93,7 +99,29 @@ class PipelineStage:
         *,
         track_saved_tensors: bool = True,
         split_backward: bool = True,
+        input_args: Any = None,
+        output_args: Any = None,
+        output_grads: Any = None,
+        input_grads: Any = None,
+        dw_builder: Any = None,
+        get_mesh: Any = None,
     ) -> None:
+        # torch's extra arguments. Example inputs and outputs (input_args ... input_grads) serve
+        # torch's fixed buffers; shapes travel with the messages here, so they are accepted and not
+        # needed. torch's fifth positional argument is input_args: a tensor or tuple in group's
+        # place is taken for it, so a call written for torch keeps working.
+        del input_args, output_args, output_grads, input_grads, get_mesh
+        if group is not None and not _is_process_group(group):
+            if not isinstance(group, torch.Tensor | tuple | list):
+                raise TypeError(
+                    f"PipelineStage: group must be a torch.distributed ProcessGroup, got {type(group).__name__}"
+                )
+            group = None  # torch's positional input_args
+        if dw_builder is not None:
+            raise PipelineError(
+                "PipelineStage: dw_builder (a hand-written weight-gradient step) is not supported: the stage "
+                "computes W itself for any module, without redoing I's work; leave dw_builder out"
+            )
         if num_stages < 1 or not 0 <= stage_index < num_stages:
             raise PipelineError(f"stage_index {stage_index} is outside 0..{num_stages - 1} (num_stages={num_stages})")
         self.submodule = submodule
@@ -105,6 +133,24 @@ class PipelineStage:
         self.split_backward = split_backward
         self._mbs: dict[int, _Microbatch] = {}
         self._origin_grads: list[tuple[torch.Tensor, torch.Tensor]] = []  # see backward_into_inputs
+
+    @property
+    def submod(self) -> torch.nn.Module:
+        """torch's name for :attr:`submodule`."""
+        return self.submodule
+
+    @property
+    def group_rank(self) -> int:
+        """This process's rank in the pipeline group (torch's attribute)."""
+        import torch.distributed as dist
+
+        return dist.get_rank(self.group)
+
+    @property
+    def group_size(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_world_size(self.group)
 
     @property
     def is_first(self) -> bool:

@@ -140,8 +140,10 @@ def _features(rank: int, world: int, single_tag: bool) -> list[str]:
         for x, scale, y in batches:
             losses: list[torch.Tensor] = []
             first, last = rank == placement[0], rank == placement[3]
-            kwargs = {"scale": scale} if first else {}
-            out = sched.step(*((x,) if first else ()), target=y if last else None, losses=losses, **kwargs)
+            # step()'s keywords would go to every stage of the rank (torch's rule); scale is stage 0's alone.
+            out = sched.step(
+                *((x,) if first else ()), target=y if last else None, losses=losses, stage_kwargs={0: {"scale": scale}}
+            )
             if last:
                 assert out.shape == y.shape and len(losses) == m
             else:

@@ -675,3 +675,17 @@ def test_first_stage_by_hand_gives_input_gradients(full: bool) -> None:
     stage.backward_into_inputs()
     torch.testing.assert_close(made_from.grad[:2], 2 * want)
     assert not stage._origin_grads
+
+
+def test_torchs_extra_arguments_are_accepted_or_refused_clearly() -> None:
+    """A PipelineStage call written for torch keeps working: its positional input_args too."""
+    mod = torch.nn.Linear(4, 4)
+    example = torch.randn(2, 4)
+    stage = PipelineStage(mod, 0, 2, torch.device("cpu"), example)  # torch's fifth: input_args
+    assert stage.group is None and stage.submod is mod
+    stage = PipelineStage(mod, 1, 2, "cpu", input_args=(example,), output_args=mod(example), get_mesh=None)
+    assert stage.group is None and stage.is_last
+    with pytest.raises(TypeError, match=r"group must be a torch\.distributed ProcessGroup, got str"):
+        PipelineStage(mod, 0, 2, "cpu", "pp")
+    with pytest.raises(PipelineError, match=r"dw_builder .* is not supported"):
+        PipelineStage(mod, 0, 2, "cpu", dw_builder=lambda: lambda: None)

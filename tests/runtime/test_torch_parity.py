@@ -1,0 +1,138 @@
+"""Behaviour a user switching from torch.distributed.pipelining relies on, checked against torch
+itself: the same script, the same models and data, both runtimes, equal gradients and losses."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from _dist import run_ranks
+from torch import nn
+
+pytestmark = pytest.mark.slow
+WIDTH = 4
+M = 4
+
+
+class Scaled(nn.Module):
+    """Every block takes a keyword input, as transformer blocks take an attention mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x)) * scale
+
+
+def _keywords_on_every_rank(rank: int, world: int) -> list[str]:
+    import torch.distributed.pipelining as tpp
+
+    import pipetrain
+    from pipetrain.plan import build_schedule
+
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(8, WIDTH, generator=g), torch.randn(8, WIDTH, generator=g)
+    scale = torch.rand(8, 1, generator=g) + 0.5
+    checked = []
+    for name, v in (("1F1B", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2)):
+        num_stages = world * v
+        torch.manual_seed(0)
+        blocks = [Scaled() for _ in range(num_stages)]
+        mine = [s for s, r in build_schedule(name, world, M, v).stage_to_rank.items() if r == rank]
+        grads = {}
+        for label, lib in (("torch", tpp), ("pipetrain", pipetrain)):
+            mods = {s: copy.deepcopy(blocks[s]) for s in mine}
+            stages = [lib.PipelineStage(mods[s], s, num_stages, torch.device("cpu")) for s in mine]
+            cls = lib.get_schedule_class(name) if lib is pipetrain else tpp.schedules.get_schedule_class(name)
+            sched = cls(stages if v > 1 else stages[0], M, loss_fn=nn.functional.mse_loss)
+            losses: list[torch.Tensor] = []
+            # torchtitan's pattern: the input on the first rank, the target on the last, and the
+            # keyword input on every rank, for every stage that rank holds.
+            first, last = 0 in mine, num_stages - 1 in mine
+            sched.step(*((x,) if first else ()), target=y if last else None, losses=losses, scale=scale)
+            grads[label] = ([p.grad for s in mine for p in mods[s].parameters()], [loss.detach() for loss in losses])
+        for ours, theirs in zip(grads["pipetrain"][0], grads["torch"][0], strict=True):
+            torch.testing.assert_close(ours, theirs, msg=lambda e, n=name: f"{n} rank {rank}: {e}")
+        torch.testing.assert_close(grads["pipetrain"][1], grads["torch"][1])
+        checked.append(name)
+    from pipetrain.errors import PipelineError
+
+    with pytest.raises(PipelineError, match=r"losses must be a list .*, got tuple"):  # torch: "must be a list"
+        sched.step(*((x,) if 0 in mine else ()), target=y if last else None, losses=(), scale=scale)
+    return checked
+
+
+def test_step_keywords_reach_every_stage_of_the_rank_as_in_torch() -> None:
+    assert run_ranks(_keywords_on_every_rank, 2) == [["1F1B", "Interleaved1F1B", "ZBVZeroBubble"]] * 2
+
+
+def _csv_route(rank: int, world: int, directory: str) -> list[str]:
+    """torchtitan's CSV route: ``_PipelineScheduleRuntime(stages, n, loss_fn)._load_csv(path)``."""
+    import torch.distributed as dist
+    import torch.distributed.pipelining as tpp
+    import torch.distributed.pipelining.schedules as theirs
+
+    import pipetrain
+    import pipetrain.schedules as ours
+    from pipetrain.errors import PipelineError
+    from pipetrain.plan import build_schedule
+
+    torch.manual_seed(0)
+    blocks = [nn.Linear(WIDTH, WIDTH) for _ in range(4)]
+    plan = build_schedule("Interleaved1F1B", world, M, 2)
+    path, dumped = f"{directory}/il.csv", f"{directory}/ours.csv"
+    if rank == 0:
+        plan.to_csv(path)
+    dist.barrier()
+    mine = plan.stages_of(rank)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, WIDTH, generator=g), torch.randn(8, WIDTH, generator=g)
+    results = {}
+    for label, lib, module, cls_name in (
+        ("torch", tpp, theirs, "_PipelineScheduleRuntime"),
+        ("pipetrain", pipetrain, ours, "_PipelineScheduleRuntime"),
+        ("pipetrain multi", pipetrain, ours, "PipelineScheduleMulti"),
+    ):
+        mods = {s: copy.deepcopy(blocks[s]) for s in mine}
+        stages = [lib.PipelineStage(mods[s], s, 4, torch.device("cpu")) for s in mine]
+        sched = getattr(module, cls_name)(stages, M, loss_fn=nn.functional.mse_loss)
+        if lib is pipetrain:
+            with pytest.raises(PipelineError, match="names no schedule: load one with _load_csv"):
+                sched.step()
+        sched._load_csv(path)
+        losses: list[torch.Tensor] = []
+        sched.step(*((x,) if 0 in mine else ()), target=y if 3 in mine else None, losses=losses)
+        order = {r: [None if a is None else str(a) for a in acts] for r, acts in sched.pipeline_order.items()}
+        results[label] = ([p.grad for s in mine for p in mods[s].parameters()], losses, order)
+        if label == "pipetrain" and rank == 0:
+            sched._dump_csv(dumped)
+    for label in ("pipetrain", "pipetrain multi"):
+        for a, b in zip(results[label][0], results["torch"][0], strict=True):
+            torch.testing.assert_close(a, b, msg=lambda e, n=label: f"{n} rank {rank}: {e}")
+        torch.testing.assert_close([t.detach() for t in results[label][1]], [t.detach() for t in results["torch"][1]])
+        assert results[label][2] == results["torch"][2]
+    dist.barrier()
+    # What pipetrain writes, torch reads back as the same order.
+    stages = [tpp.PipelineStage(copy.deepcopy(blocks[s]), s, 4, torch.device("cpu")) for s in mine]
+    reread = theirs._PipelineScheduleRuntime(stages, M, loss_fn=nn.functional.mse_loss)
+    reread._load_csv(dumped)
+    assert {r: [None if a is None else str(a) for a in acts] for r, acts in reread.pipeline_order.items()} == results[
+        "torch"
+    ][2]
+    # Wrong input is refused before any communication, on every rank alike.
+    mods = {s: copy.deepcopy(blocks[s]) for s in mine}
+    sched = ours.ScheduleInterleaved1F1B([pipetrain.PipelineStage(mods[s], s, 4, "cpu") for s in mine], 2)
+    with pytest.raises(
+        PipelineError, match=r"il.csv is a schedule of 4 microbatches, but this schedule was built for n_microbatches=2"
+    ):
+        sched._load_csv(path)
+    with pytest.raises(PipelineError, match="has no SEND/RECV actions; load it with format='compute_only'"):
+        sched._load_csv(path, format="compute_comms")
+    return sorted(results)
+
+
+def test_torchs_csv_route_runs_the_same_schedule_with_the_same_gradients(tmp_path: Path) -> None:
+    assert run_ranks(_csv_route, 2, str(tmp_path)) == [["pipetrain", "pipetrain multi", "torch"]] * 2
