@@ -10,7 +10,6 @@ kwargs_chunk_spec=None, output_merge_spec=None, scale_grads=True)`` and torch's 
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -141,13 +140,13 @@ class _NamedSchedule(PipelineScheduleRuntime):
                 "concrete class (ScheduleInterleaved1F1B, ...) or PipelineScheduleRuntime(stages, schedule)"
             )
 
-    @functools.wraps(PipelineScheduleRuntime.step)
     def step(self, *args: Any, **kwargs: Any) -> Any:
+        """:meth:`PipelineScheduleRuntime.step`, once a schedule is there (see ``_load_csv``)."""
         self._not_loaded()
         return super().step(*args, **kwargs)
 
-    @functools.wraps(PipelineScheduleRuntime.eval)
     def eval(self, *args: Any, **kwargs: Any) -> Any:
+        """:meth:`PipelineScheduleRuntime.eval`, once a schedule is there (see ``_load_csv``)."""
         self._not_loaded()
         return super().eval(*args, **kwargs)
 
@@ -158,6 +157,32 @@ class PipelineScheduleMulti(_NamedSchedule):
     Built directly, it names no schedule: load one from torch's CSV format with ``_load_csv``, as
     with torch's ``PipelineScheduleMulti`` and ``_PipelineScheduleRuntime``.
     """
+
+    def __init__(
+        self,
+        stages: PipelineStage | Sequence[PipelineStage],
+        n_microbatches: int,
+        loss_fn: LossFn | None = None,
+        args_chunk_spec: tuple[Any, ...] | None = None,
+        kwargs_chunk_spec: dict[str, Any] | None = None,
+        output_merge_spec: Any = None,
+        use_full_backward: bool | None = None,
+        scale_grads: bool = True,
+        backward_requires_autograd: bool = True,
+        **options: Any,
+    ) -> None:  # torch's positional order for this base class (its subclasses differ)
+        super().__init__(
+            stages,
+            n_microbatches,
+            loss_fn,
+            args_chunk_spec,
+            kwargs_chunk_spec,
+            output_merge_spec,
+            scale_grads,
+            backward_requires_autograd,
+            use_full_backward=use_full_backward,
+            **options,
+        )
 
 
 class _PipelineScheduleRuntime(PipelineScheduleMulti):
@@ -210,6 +235,7 @@ class ScheduleZBH2(PipelineScheduleSingle):
 
 class ScheduleInterleaved1F1B(PipelineScheduleMulti):
     schedule_name = "Interleaved1F1B"
+    __init__ = _NamedSchedule.__init__  # torch's order for the concrete classes
 
 
 ScheduleFlexibleInterleaved1F1B = ScheduleInterleaved1F1B
@@ -232,7 +258,8 @@ class ScheduleLoopedBFS(PipelineScheduleMulti):
         kwargs_chunk_spec: dict[str, Any] | None = None,
         **options: Any,
     ) -> None:  # torch's positional order: LoopedBFS takes no chunk specs there
-        super().__init__(
+        _NamedSchedule.__init__(
+            self,
             stages,
             n_microbatches,
             loss_fn,
@@ -248,18 +275,22 @@ class ScheduleLoopedBFS(PipelineScheduleMulti):
 
 class ScheduleInterleavedZeroBubble(PipelineScheduleMulti):
     schedule_name = "InterleavedZeroBubble"
+    __init__ = _NamedSchedule.__init__  # torch's order for the concrete classes
 
 
 class ScheduleZBVZeroBubble(PipelineScheduleMulti):
     schedule_name = "ZBVZeroBubble"
+    __init__ = _NamedSchedule.__init__  # torch's order for the concrete classes
 
 
 class ScheduleDualPipeV(PipelineScheduleMulti):
     schedule_name = "DualPipeV"
+    __init__ = _NamedSchedule.__init__  # torch's order for the concrete classes
 
 
 class ScheduleForwardOnly(PipelineScheduleMulti):
     schedule_name = "ForwardOnly"
+    __init__ = _NamedSchedule.__init__  # torch's order for the concrete classes
 
 
 _CLASSES: dict[str, type[PipelineScheduleRuntime]] = {}

@@ -21,6 +21,7 @@ def test_schedule_classes_take_torchs_arguments_in_torchs_order() -> None:
         "ScheduleZBVZeroBubble",
         "ScheduleDualPipeV",
         "PipelineScheduleSingle",
+        "PipelineScheduleMulti",
     ]
     for name in names:
         expected = list(inspect.signature(getattr(theirs, name).__init__).parameters)[1:]
