@@ -200,7 +200,8 @@ def split_stage_kwargs(
     the previous stage sends (an attention mask, position ids): data given on the rank that
     holds the stage, not carried through the pipeline. Every rank may pass the same mapping;
     stages held elsewhere are skipped. ``chunk_spec`` mirrors it (``{stage: {name: spec}}``,
-    default dim 0). Tensors that require grad are refused: no gradient flows back to them.
+    default dim 0). Tensors that require grad are refused beyond stage 0: no gradient flows back
+    to a later stage's keyword inputs (stage 0's get theirs, as its other inputs do).
     """
     if stage_kwargs is None:
         if chunk_spec is not None:
@@ -235,14 +236,10 @@ def split_stage_kwargs(
         parts: dict[str, list[Any]] = {}
         for name, value in kwargs.items():
             label = f"stage_kwargs[{stage}][{name!r}]"
-            if any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(value)):
-                hint = (
-                    f"have stage {stage - 1} return it, so it travels through the pipeline"
-                    if stage
-                    else "pass it to step() as a keyword argument instead"
-                )
+            if stage and any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(value)):
                 raise PipelineError(
-                    f"{label} requires grad, but an input given this way gets no gradient; detach it, or {hint}"
+                    f"{label} requires grad, but a later stage's keyword inputs get no gradient (only the first "
+                    f"stage's do); detach it, or have stage {stage - 1} return it so it travels through the pipeline"
                 )
             parts[name] = split_into_chunks(value, chunks, spec.get(name), label)
         out[stage] = [{name: chunks_[i] for name, chunks_ in parts.items()} for i in range(chunks)]

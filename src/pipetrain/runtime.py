@@ -840,7 +840,8 @@ class PipelineScheduleRuntime:
         )
         self._step_count = 0
         self._last_events: tuple[list[tuple[Action, int, int]], int, Schedule] | None = None
-        self._agreed: set[int] = set()  # ids of the schedules the ranks have been checked to agree on
+        # The schedules the ranks have been checked to agree on, by id; held, so no id is reused.
+        self._agreed: dict[int, Schedule] = {}
 
     # ------------------------------------------------- torch's names and CSV files
     @property
@@ -920,6 +921,7 @@ class PipelineScheduleRuntime:
         self._planned, self.schedule = schedule, prepared
         self._forward_only = not prepared.has_backward
         self._eval_schedule = None
+        self._agreed.clear()  # every rank loads the same files in the same order: they agree afresh
         self._program = _Program(
             self.rank, self.stages, prepared.stage_to_rank, prepared.num_stages, self._program.comm
         )
@@ -994,7 +996,7 @@ class PipelineScheduleRuntime:
             except Exception:  # a store without set/check (a fake backend's): nothing to compare with
                 ready = False
             if not ready:
-                self._agreed.add(id(schedule))
+                self._agreed[id(schedule)] = schedule
                 return
             theirs = _wait_keys(failure, [f"{prefix}{p}" for p in peers], self.timeout, self.poll_interval, self._where)
             for peer, value in zip(peers, theirs, strict=True):
@@ -1009,7 +1011,7 @@ class PipelineScheduleRuntime:
                         f"{self._where()}: the ranks built different schedules: rank {peer}'s sends and receives "
                         f"differ from those this rank's schedule ({mine}) gives it"
                     )
-        self._agreed.add(id(schedule))
+        self._agreed[id(schedule)] = schedule
 
     @property
     def has_first_stage(self) -> bool:
@@ -1188,6 +1190,14 @@ class PipelineScheduleRuntime:
         later = [s for s in self.stages if s != 0]
         if not kwargs or not later:
             return per_stage
+        for name, value in kwargs.items():
+            if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(value)[0]):
+                raise PipelineError(
+                    f"{self._program.where()}: keyword argument {name!r} requires grad, but step() also gives it to "
+                    f"stage{'s' if len(later) > 1 else ''} {', '.join(map(str, later))}, whose keyword inputs get no "
+                    "gradient (only the first stage's inputs do); detach it, or give it to stage 0 alone with "
+                    "stage_kwargs={0: {...}}"
+                )
         if inputs is not None:  # split once: the first stage's split has them
             chunks = [k for _, k in inputs]
         else:

@@ -113,25 +113,53 @@ class _NamedSchedule(PipelineScheduleRuntime):
         if pending is None:
             super()._load_csv(filename, format)
             return
-        stages = pending.pop("stages")
-        loss_fn, scale_grads = pending.pop("loss_fn"), pending.pop("scale_grads")
-        specs = pending.pop("args_chunk_spec"), pending.pop("kwargs_chunk_spec"), pending.pop("output_merge_spec")
+        if format not in ("compute_only", "compute_comms"):
+            raise ValueError(f"format must be 'compute_only' or 'compute_comms', got {format!r}")
         try:
             schedule = Schedule.from_csv(filename)
         except ScheduleError as err:
-            raise PipelineError(f"{err}") from None
+            raise PipelineError(str(err)) from None
         if schedule.num_microbatches != self.n_microbatches:
             raise PipelineError(
                 f"{filename} is a schedule of {schedule.num_microbatches} microbatches, "
                 f"but this schedule was built for n_microbatches={self.n_microbatches}"
             )
-        if (format == "compute_comms") != schedule.is_lowered and format in ("compute_only", "compute_comms"):
+        if (format == "compute_comms") != schedule.is_lowered:
             raise PipelineError(
                 f"{filename} {'holds' if schedule.is_lowered else 'has no'} SEND/RECV actions; load it with "
                 f"format={'compute_comms' if schedule.is_lowered else 'compute_only'!r}"
             )
-        self._pending = None
-        PipelineScheduleRuntime.__init__(self, stages, schedule, loss_fn, scale_grads, *specs, **pending)
+        if self.one_stage_per_rank and schedule.num_stages != schedule.num_ranks:
+            raise PipelineError(
+                f"{filename} places {schedule.num_stages} stages on {schedule.num_ranks} ranks, but "
+                f"{type(self).__name__} runs one stage per rank"
+            )
+        args = dict(pending)
+        stages = args.pop("stages")
+        group = args.get("group", stages[0].group)
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        held = sorted(st.stage_index for st in stages)
+        if schedule.num_ranks != world:
+            raise PipelineError(
+                f"rank {rank}: {filename} is a schedule for {schedule.num_ranks} ranks, the group has {world}"
+            )
+        if sorted(schedule.stages_of(rank)) != held:
+            # Checked here, before the runtime exists, so a wrong file can be swapped for the right one.
+            raise PipelineError(
+                f"rank {rank}: {filename} places stages {schedule.stages_of(rank)} on this rank, but it holds {held}"
+            )
+        loss_fn, scale_grads = args.pop("loss_fn"), args.pop("scale_grads")
+        specs = args.pop("args_chunk_spec"), args.pop("kwargs_chunk_spec"), args.pop("output_merge_spec")
+        PipelineScheduleRuntime.__init__(self, stages, schedule, loss_fn, scale_grads, *specs, **args)
+        self._pending = None  # only now: a load that failed can be retried with another file
+
+    def __getattr__(self, name: str) -> Any:
+        # Reached only for attributes that do not exist yet: those a loaded schedule would have.
+        if self.__dict__.get("_pending") is not None:
+            raise AttributeError(
+                f"{type(self).__name__} names no schedule yet ({name!r} needs one): load one with _load_csv(path)"
+            )
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def _not_loaded(self) -> None:
         if self._pending is not None:

@@ -95,8 +95,8 @@ class PipelineStage:
         stage_index: int,
         num_stages: int,
         device: torch.device | str | int,
+        *positional: Any,
         group: dist.ProcessGroup | None = None,
-        *,
         track_saved_tensors: bool = True,
         split_backward: bool = True,
         input_args: Any = None,
@@ -106,17 +106,33 @@ class PipelineStage:
         dw_builder: Any = None,
         get_mesh: Any = None,
     ) -> None:
-        # torch's extra arguments. Example inputs and outputs (input_args ... input_grads) serve
-        # torch's fixed buffers; shapes travel with the messages here, so they are accepted and not
-        # needed. torch's fifth positional argument is input_args: a tensor or tuple in group's
-        # place is taken for it, so a call written for torch keeps working.
-        del input_args, output_args, output_grads, input_grads, get_mesh
+        # After the device: pipetrain's ``group`` alone, or torch's order (input_args, output_args,
+        # output_grads, input_grads, group, dw_builder, get_mesh), so a call written for torch
+        # keeps working. Example inputs and outputs serve torch's fixed buffers; shapes travel
+        # with the messages here, so they are accepted and not needed.
+        torch_args = {
+            "input_args": input_args,
+            "output_args": output_args,
+            "output_grads": output_grads,
+            "input_grads": input_grads,
+            "group": group,
+            "dw_builder": dw_builder,
+            "get_mesh": get_mesh,
+        }
+        if len(positional) == 1 and group is None and (positional[0] is None or _is_process_group(positional[0])):
+            torch_args["group"] = positional[0]
+        elif positional:
+            if len(positional) > len(torch_args):
+                raise TypeError(f"PipelineStage takes at most {4 + len(torch_args)} positional arguments")
+            for name, value in zip(list(torch_args), positional, strict=False):
+                if torch_args[name] is not None:
+                    raise TypeError(f"PipelineStage got multiple values for argument {name!r}")
+                torch_args[name] = value
+        group, dw_builder = torch_args["group"], torch_args["dw_builder"]
         if group is not None and not _is_process_group(group):
-            if not isinstance(group, torch.Tensor | tuple | list):
-                raise TypeError(
-                    f"PipelineStage: group must be a torch.distributed ProcessGroup, got {type(group).__name__}"
-                )
-            group = None  # torch's positional input_args
+            raise TypeError(
+                f"PipelineStage: group must be a torch.distributed ProcessGroup, got {type(group).__name__}"
+            )
         if dw_builder is not None:
             raise PipelineError(
                 "PipelineStage: dw_builder (a hand-written weight-gradient step) is not supported: the stage "

@@ -685,7 +685,13 @@ def test_torchs_extra_arguments_are_accepted_or_refused_clearly() -> None:
     assert stage.group is None and stage.submod is mod
     stage = PipelineStage(mod, 1, 2, "cpu", input_args=(example,), output_args=mod(example), get_mesh=None)
     assert stage.group is None and stage.is_last
+    stage = PipelineStage(mod, 0, 2, "cpu", example, mod(example), None, None, None)  # torch's whole order
+    assert stage.group is None
     with pytest.raises(TypeError, match=r"group must be a torch\.distributed ProcessGroup, got str"):
-        PipelineStage(mod, 0, 2, "cpu", "pp")
+        PipelineStage(mod, 0, 2, "cpu", group="pp")
+    with pytest.raises(TypeError, match="got multiple values for argument 'input_args'"):
+        PipelineStage(mod, 0, 2, "cpu", example, input_args=example)
+    with pytest.raises(TypeError, match="takes at most 11 positional arguments"):
+        PipelineStage(mod, 0, 2, "cpu", *([None] * 8))
     with pytest.raises(PipelineError, match=r"dw_builder .* is not supported"):
         PipelineStage(mod, 0, 2, "cpu", dw_builder=lambda: lambda: None)

@@ -204,6 +204,11 @@ def _distributed(rank: int, world: int) -> list[str]:
             torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses))
             torch.testing.assert_close(out, ref_out)
         checked.append(name)
+    # A keyword that requires grad would reach later stages, whose keyword inputs get no gradient.
+    with pytest.raises(
+        PipelineError, match=r"keyword argument 'mask' requires grad, but step\(\) also gives it to stage"
+    ):
+        sched.step(*((x,) if 0 in mine else ()), target=y if last else None, mask=mask_t.t().clone().requires_grad_())
     return checked
 
 

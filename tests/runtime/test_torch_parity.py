@@ -83,9 +83,13 @@ def _csv_route(rank: int, world: int, directory: str) -> list[str]:
     torch.manual_seed(0)
     blocks = [nn.Linear(WIDTH, WIDTH) for _ in range(4)]
     plan = build_schedule("Interleaved1F1B", world, M, 2)
-    path, dumped = f"{directory}/il.csv", f"{directory}/ours.csv"
+    path, dumped, two = f"{directory}/il.csv", f"{directory}/ours.csv", f"{directory}/two.csv"
+    others = [f"{directory}/{name}.csv" for name in ("LoopedBFS", "InterleavedZeroBubble")]
     if rank == 0:
         plan.to_csv(path)
+        build_schedule("Interleaved1F1B", world, 2, 2).to_csv(two)
+        for other in others:
+            build_schedule(other.rsplit("/", 1)[1][:-4], world, M, 2).to_csv(other)
     dist.barrier()
     mine = plan.stages_of(rank)
     g = torch.Generator().manual_seed(1)
@@ -97,11 +101,20 @@ def _csv_route(rank: int, world: int, directory: str) -> list[str]:
         ("pipetrain multi", pipetrain, ours, "PipelineScheduleMulti"),
     ):
         mods = {s: copy.deepcopy(blocks[s]) for s in mine}
-        stages = [lib.PipelineStage(mods[s], s, 4, torch.device("cpu")) for s in mine]
+        if label == "pipetrain multi":  # torch's positional order: input_args, then group by keyword
+            stages = [lib.PipelineStage(mods[s], s, 4, torch.device("cpu"), None, group=dist.group.WORLD) for s in mine]
+        else:
+            stages = [lib.PipelineStage(mods[s], s, 4, torch.device("cpu")) for s in mine]
         sched = getattr(module, cls_name)(stages, M, loss_fn=nn.functional.mse_loss)
         if lib is pipetrain:
             with pytest.raises(PipelineError, match="names no schedule: load one with _load_csv"):
                 sched.step()
+            with pytest.raises(AttributeError, match=r"names no schedule yet \('pipeline_order' needs one\)"):
+                sched.pipeline_order  # noqa: B018
+            with pytest.raises(ValueError, match="format must be"):
+                sched._load_csv(path, format="bogus")
+            with pytest.raises(PipelineError, match=r"two\.csv is a schedule of 2 microbatches"):
+                sched._load_csv(two)  # a failed load leaves the object ready for the right file
         sched._load_csv(path)
         losses: list[torch.Tensor] = []
         sched.step(*((x,) if 0 in mine else ()), target=y if 3 in mine else None, losses=losses)
@@ -122,6 +135,18 @@ def _csv_route(rank: int, world: int, directory: str) -> list[str]:
     assert {r: [None if a is None else str(a) for a in acts] for r, acts in reread.pipeline_order.items()} == results[
         "torch"
     ][2]
+    # Loading files in turn, with steps and evals between, keeps the ranks in step (ids of
+    # dropped schedules once made one rank skip the agreement the other ran: a hang).
+    mods = {s: copy.deepcopy(blocks[s]) for s in mine}
+    stages = [pipetrain.PipelineStage(mods[s], s, 4, "cpu") for s in mine]
+    sched = ours._PipelineScheduleRuntime(stages, M, loss_fn=nn.functional.mse_loss, timeout=20)
+    for i in range(9):
+        sched._load_csv([path, *others][i % 3])
+        orders = sched.pipeline_order  # what user code might hold on to between loads
+        sched.step(*((x,) if 0 in mine else ()), target=y if 3 in mine else None)
+        kept = sched.last_timeline
+        sched.eval(*((x,) if 0 in mine else ()))
+        del orders, kept
     # Wrong input is refused before any communication, on every rank alike.
     mods = {s: copy.deepcopy(blocks[s]) for s in mine}
     sched = ours.ScheduleInterleaved1F1B([pipetrain.PipelineStage(mods[s], s, 4, "cpu") for s in mine], 2)

@@ -56,7 +56,7 @@ def _check_stages_placed(placement: Mapping[int, int], num_stages: int) -> None:
     )
 
 
-def microbatch_gap(
+def _microbatch_gap(
     actions: Mapping[int, Sequence[Action | None]], num_stages: int, num_microbatches: int, max_mb: int
 ) -> str:
     """The message for a schedule with too few actions for its microbatches: the first
@@ -208,7 +208,7 @@ class Schedule:
         if cells > _EAGER_GAP_CHECK:
             num_parts = sum(len(program) for program in self._actions.values()) + extra_parts
             if cells > num_parts:
-                raise ScheduleError(microbatch_gap(self._actions, num_stages, num_microbatches, max_mb))
+                raise ScheduleError(_microbatch_gap(self._actions, num_stages, num_microbatches, max_mb))
         self.num_stages: int = num_stages
         self.num_microbatches: int = num_microbatches
         self.stage_to_rank: dict[int, int] = dict(sorted(placement.items()))
