@@ -1035,6 +1035,8 @@ class PipelineScheduleRuntime:
     ) -> Any:
         """One training step (forward only when the runtime has no ``loss_fn``).
 
+        Positional inputs go to stage 0; keyword arguments to every stage this rank holds, split
+        into microbatches (torch's rule: each rank passes, say, the attention mask its blocks take).
         ``loss_kwargs`` go to every call of ``loss_fn``, as in torch. ``stage_kwargs``
         (``{stage index: {name: value}}``, beyond torch) gives any stage extra keyword inputs on
         the rank that holds it, split into microbatches like the first stage's (dim 0 unless
