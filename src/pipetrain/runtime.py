@@ -165,6 +165,28 @@ def _segments(program: Sequence[Action | None]) -> list[tuple[int, int, list[Act
     return out
 
 
+_SPLIT: dict[int, tuple[Sequence[Action | None], frozenset[int]]] = {}
+
+
+def _split_stages(program: Sequence[Action | None]) -> frozenset[int]:
+    """Stages whose backward ``program`` splits into I and W (cached per program): only their
+    forwards need saved-tensor tracking (see ``PipelineStage.forward_one_chunk``)."""
+    hit = _SPLIT.get(id(program))
+    if hit is not None and hit[0] is program:
+        return hit[1]
+    split = frozenset(
+        part.stage
+        for action in program
+        if action is not None
+        for part in action.parts
+        if part.kind is _K.I or part.kind is _K.W
+    )
+    if len(_SPLIT) > 64:
+        _SPLIT.clear()
+    _SPLIT[id(program)] = (program, split)
+    return split
+
+
 _PARTS: dict[int, tuple[Sequence[Action | None], list[tuple[list[Action], list[Action]]]]] = {}
 
 
@@ -237,6 +259,7 @@ class _Program:
         self.outputs: dict[int, Any] = {}
         self.reduced: set[int] = set()
         self.stage_kwargs: dict[int, list[dict[str, Any]]] = {}  # stage -> per-microbatch extra keywords
+        self.split: frozenset[int] = frozenset()  # stages whose backward this program splits (I, W)
 
     def where(self) -> str:
         action = "" if self.action is None else f", action {self.action}"
@@ -260,6 +283,7 @@ class _Program:
         """Execute ``program``; yields while waiting for data (in-process mode only)."""
         self._reset()
         self.stage_kwargs = stage_kwargs or {}
+        self.split = _split_stages(program)
         self.step_index = step_index
         self.events = []
         self.inputs = dict(enumerate(inputs)) if inputs is not None else {}
@@ -469,7 +493,7 @@ class _Program:
         extra = self.stage_kwargs.get(s)
         if extra is not None:
             kwargs = self._with_stage_kwargs(s, m, kwargs, extra[m])
-        output = stage.forward_one_chunk(m, args, kwargs)
+        output = stage.forward_one_chunk(m, args, kwargs, track=s in self.split)
         if s == self.num_stages - 1:
             if self.loss_fn is not None:
                 assert self.targets is not None

@@ -183,8 +183,15 @@ class PipelineStage:
         return f"stage {self.stage_index}, microbatch {mb}, action {self.stage_index}{action}{mb}"
 
     # ------------------------------------------------------------------ forward
-    def forward_one_chunk(self, mb: int, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Any:
-        """F: run the submodule; under grad mode keep what backward of ``mb`` needs."""
+    def forward_one_chunk(
+        self, mb: int, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None, *, track: bool = True
+    ) -> Any:
+        """F: run the submodule; under grad mode keep what backward of ``mb`` needs.
+
+        ``track=False`` skips saved-tensor tracking for this microbatch (runtimes pass it when the
+        schedule runs no I/W for this stage: a full B frees what autograd saved by itself, and the
+        hooks would cost a Python call per saved tensor for nothing).
+        """
         kwargs = kwargs or {}
         if not torch.is_grad_enabled():
             return self.submodule(*args, **kwargs)
@@ -214,7 +221,9 @@ class PipelineStage:
         else:
             assert spec is not None
             args, kwargs = pytree.tree_unflatten(leaves, spec)
-        saved = SavedTensors(f"stage {self.stage_index}, microbatch {mb}") if self.track_saved_tensors else None
+        saved = (
+            SavedTensors(f"stage {self.stage_index}, microbatch {mb}") if self.track_saved_tensors and track else None
+        )
         if saved is None:
             output = self.submodule(*args, **kwargs)
         else:

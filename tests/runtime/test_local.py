@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import gc
 import weakref
+from typing import Any
 
 import pytest
 import torch
@@ -208,3 +209,27 @@ def test_uneven_microbatches_give_whole_batch_gradients_with_a_summed_loss() -> 
     nn.functional.mse_loss(h, y).backward()
     for layer, grad in zip(layers, grads, strict=True):
         torch.testing.assert_close(grad, layer.weight.grad)
+
+
+@pytest.mark.parametrize(("name", "tracked"), [("1F1B", False), ("Interleaved1F1B", False), ("ZBVZeroBubble", True)])
+def test_saved_tensors_are_tracked_only_where_the_backward_is_split(
+    name: str, tracked: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full B frees what autograd saved by itself; the hooks are for I/W (and cost time)."""
+    from pipetrain.stage import PipelineStage
+
+    seen: list[bool] = []
+    original = PipelineStage.forward_one_chunk
+
+    def recording(self: PipelineStage, mb: int, args: Any, kwargs: Any = None, *, track: bool = True) -> Any:
+        seen.append(track)
+        return original(self, mb, args, kwargs, track=track)
+
+    monkeypatch.setattr(PipelineStage, "forward_one_chunk", recording)
+    torch.manual_seed(0)
+    mods = [nn.Linear(4, 4) for _ in range(4)]
+    pipe = LocalPipeline(
+        mods, name, n_microbatches=4, loss_fn=nn.functional.mse_loss, num_ranks=2 if name != "1F1B" else 4
+    )
+    pipe.step(torch.randn(8, 4), target=torch.randn(8, 4))
+    assert seen and set(seen) == {tracked}

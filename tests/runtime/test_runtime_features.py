@@ -151,7 +151,12 @@ def _features(rank: int, world: int, single_tag: bool) -> list[str]:
             assert not any(st.has_state() for st in stages)
         case = f"{name} {sizes}"
         assert_grads_equal({s: mods[s] for s in mine}, ref, case)
-        assert sum(freed) > 0, f"{case}: no sent output was freed ({freed})"
+        assert freed, f"{case}: no sent output was released"
+        split = any(
+            p.kind.value in ("I", "W") for acts in sched.pipeline_order.values() for a in acts if a for p in a.parts
+        )
+        if split:  # stages tracking what autograd saved count the bytes they release (see track=)
+            assert sum(freed) > 0, f"{case}: no sent output was freed ({freed})"
         gc.collect()
         assert all(ref() is None for ref in seen), f"{case}: a microbatch tensor outlived its step"
         done.append(case)
