@@ -78,7 +78,8 @@ class PipelineStage:
     ``track_saved_tensors`` (default on) routes the tensors autograd saves through this stage, so
     they are released right after the last backward of their microbatch, what only the input-grad
     pass needed is released right after I, and :meth:`free_output_storage` can tell which outputs
-    autograd still needs. Turn it off for modules that cannot run under saved-tensor hooks.
+    autograd still needs. Turn it off for modules that cannot run under saved-tensor hooks. The
+    runtimes use it only where a schedule splits the stage's backward into I and W.
 
     ``split_backward=False`` makes I do the full backward (W then does nothing): for modules whose
     weight gradients cannot be deferred. It happens automatically for graphs that cannot be split
