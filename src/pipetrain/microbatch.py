@@ -187,6 +187,11 @@ def split_args_kwargs_into_chunks(
     return args_out, kwargs_out
 
 
+def requires_grad(value: Any) -> bool:
+    """Whether any tensor in ``value`` (any pytree) requires grad."""
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(value))
+
+
 def split_stage_kwargs(
     stage_kwargs: Any,
     chunks: int,
@@ -236,7 +241,7 @@ def split_stage_kwargs(
         parts: dict[str, list[Any]] = {}
         for name, value in kwargs.items():
             label = f"stage_kwargs[{stage}][{name!r}]"
-            if stage and any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(value)):
+            if stage and requires_grad(value):
                 raise PipelineError(
                     f"{label} requires grad, but a later stage's keyword inputs get no gradient (only the first "
                     f"stage's do); detach it, or have stage {stage - 1} return it so it travels through the pipeline"

@@ -31,7 +31,13 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_map
 
 from pipetrain.errors import PipelineError
-from pipetrain.microbatch import merge_chunks, split_args_kwargs_into_chunks, split_into_chunks, split_stage_kwargs
+from pipetrain.microbatch import (
+    merge_chunks,
+    requires_grad,
+    split_args_kwargs_into_chunks,
+    split_into_chunks,
+    split_stage_kwargs,
+)
 from pipetrain.plan import Action, ActionKind, Schedule, ScheduleError
 from pipetrain.plan.lower import forwards_only
 from pipetrain.plan.timeline import Timeline, TimelineEvent
@@ -662,6 +668,30 @@ def _reduce_grad(stage: PipelineStage) -> None:
 
 
 # ------------------------------------------------------------------- schedules
+def read_torch_csv(filename: str, format: str, n_microbatches: int, where: str = "") -> Schedule:
+    """A schedule file for ``_load_csv``: torch's CSV ``format`` ("compute_only" or
+    "compute_comms", which must match whether it holds SEND/RECV), of ``n_microbatches``.
+    ``where`` prefixes the errors (the rank)."""
+    if format not in ("compute_only", "compute_comms"):
+        raise ValueError(f"format must be 'compute_only' or 'compute_comms', got {format!r}")
+    try:
+        schedule = Schedule.from_csv(filename)
+    except ScheduleError as err:
+        raise PipelineError(f"{where}{err}") from None
+    if (format == "compute_comms") != schedule.is_lowered:
+        has = "holds" if schedule.is_lowered else "has no"
+        raise PipelineError(
+            f"{where}{filename} {has} SEND/RECV actions; load it with "
+            f"format={'compute_comms' if schedule.is_lowered else 'compute_only'!r}"
+        )
+    if schedule.num_microbatches != n_microbatches:
+        raise PipelineError(
+            f"{where}{filename} is a schedule of {schedule.num_microbatches} microbatches, "
+            f"but this schedule was built for n_microbatches={n_microbatches}"
+        )
+    return schedule
+
+
 def prepare_schedule(schedule: Schedule, **lower_options: Any) -> Schedule:
     """Validate (before any communication) and lower a compute-only schedule; check a lowered one."""
     if not isinstance(schedule, Schedule):
@@ -916,25 +946,7 @@ class PipelineScheduleRuntime:
         (already holding them). The file must place this rank's stages where they are and have
         this runtime's number of microbatches; it is validated before anything runs.
         """
-        if format not in ("compute_only", "compute_comms"):
-            raise ValueError(f"format must be 'compute_only' or 'compute_comms', got {format!r}")
-        try:
-            schedule = Schedule.from_csv(filename)
-        except ScheduleError as err:
-            raise PipelineError(f"rank {self.rank}: {err}") from None
-        if (format == "compute_comms") != schedule.is_lowered:
-            has = "holds" if schedule.is_lowered else "has no"
-            raise PipelineError(
-                f"rank {self.rank}: {filename} {has} SEND/RECV actions; load it with "
-                f"format={'compute_comms' if schedule.is_lowered else 'compute_only'!r}"
-            )
-        n = getattr(self, "n_microbatches", schedule.num_microbatches)
-        if schedule.num_microbatches != n:
-            raise PipelineError(
-                f"rank {self.rank}: {filename} is a schedule of {schedule.num_microbatches} microbatches, "
-                f"but this schedule was built for n_microbatches={n}"
-            )
-        self._use_schedule(schedule, filename)
+        self._use_schedule(read_torch_csv(filename, format, self.n_microbatches, f"rank {self.rank}: "), filename)
 
     def _use_schedule(self, schedule: Schedule, source: str) -> None:
         try:
@@ -1217,7 +1229,7 @@ class PipelineScheduleRuntime:
         if not kwargs or not later:
             return per_stage
         for name, value in kwargs.items():
-            if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(value)[0]):
+            if requires_grad(value):
                 raise PipelineError(
                     f"{self._program.where()}: keyword argument {name!r} requires grad, but step() also gives it to "
                     f"stage{'s' if len(later) > 1 else ''} {', '.join(map(str, later))}, whose keyword inputs get no "

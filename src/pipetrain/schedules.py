@@ -16,8 +16,8 @@ from typing import Any, ClassVar
 import torch.distributed as dist
 
 from pipetrain.errors import PipelineError
-from pipetrain.plan import Schedule, ScheduleError, build_schedule
-from pipetrain.runtime import LossFn, PipelineScheduleRuntime, announce_failure
+from pipetrain.plan import ScheduleError, build_schedule
+from pipetrain.runtime import LossFn, PipelineScheduleRuntime, announce_failure, read_torch_csv
 from pipetrain.stage import PipelineStage
 
 __all__ = [
@@ -113,22 +113,7 @@ class _NamedSchedule(PipelineScheduleRuntime):
         if pending is None:
             super()._load_csv(filename, format)
             return
-        if format not in ("compute_only", "compute_comms"):
-            raise ValueError(f"format must be 'compute_only' or 'compute_comms', got {format!r}")
-        try:
-            schedule = Schedule.from_csv(filename)
-        except ScheduleError as err:
-            raise PipelineError(str(err)) from None
-        if schedule.num_microbatches != self.n_microbatches:
-            raise PipelineError(
-                f"{filename} is a schedule of {schedule.num_microbatches} microbatches, "
-                f"but this schedule was built for n_microbatches={self.n_microbatches}"
-            )
-        if (format == "compute_comms") != schedule.is_lowered:
-            raise PipelineError(
-                f"{filename} {'holds' if schedule.is_lowered else 'has no'} SEND/RECV actions; load it with "
-                f"format={'compute_comms' if schedule.is_lowered else 'compute_only'!r}"
-            )
+        schedule = read_torch_csv(filename, format, self.n_microbatches)
         if self.one_stage_per_rank and schedule.num_stages != schedule.num_ranks:
             raise PipelineError(
                 f"{filename} places {schedule.num_stages} stages on {schedule.num_ranks} ranks, but "

@@ -56,6 +56,16 @@ def _check_stages_placed(placement: Mapping[int, int], num_stages: int) -> None:
     )
 
 
+def first_naming(actions: Mapping[int, Sequence[Action | None]], microbatch: int) -> str:
+    """``rank R, step K, action A`` of the first action naming ``microbatch``, or "" (O(actions);
+    for error messages only)."""
+    for rank in sorted(actions):
+        for step, action in enumerate(actions[rank]):
+            if action is not None and any(part.microbatch == microbatch for part in action.parts):
+                return f"rank {rank}, step {step}, action {action}"
+    return ""
+
+
 def _microbatch_gap(
     actions: Mapping[int, Sequence[Action | None]], num_stages: int, num_microbatches: int, max_mb: int
 ) -> str:
@@ -64,19 +74,15 @@ def _microbatch_gap(
 
     Runs only when the schedule is already known to be broken; O(actions)."""
     forwards: dict[int, set[int]] = {}
-    largest = ""
     for rank in sorted(actions):
-        for step, action in enumerate(actions[rank]):
+        for action in actions[rank]:
             if action is None:
                 continue
             for part in action.parts:
-                m = part.microbatch
-                if m is None:
-                    continue
-                if part.kind is ActionKind.F:
-                    forwards.setdefault(part.stage, set()).add(m)
-                if m == max_mb and not largest:
-                    largest = f"rank {rank}, step {step}, action {action}: "
+                if part.kind is ActionKind.F and part.microbatch is not None:
+                    forwards.setdefault(part.stage, set()).add(part.microbatch)
+    named = first_naming(actions, max_mb)
+    largest = f"{named}: " if named else ""
     rule = "microbatches must be numbered 0..M-1 without gaps, with an F on every stage for each"
     for stage in range(num_stages):
         have = forwards.get(stage, set())

@@ -36,7 +36,7 @@ from pipetrain.plan.passes._graph import (
     cross_rank_flags,
     gc_paused,
 )
-from pipetrain.plan.schedule import Schedule
+from pipetrain.plan.schedule import Schedule, first_naming
 
 __all__ = ["validate"]
 
@@ -247,15 +247,6 @@ def _check_place(
         raise ScheduleError(f"{where}: microbatch {m} is out of range (the schedule has {M} microbatches)")
 
 
-def _naming(schedule: Schedule, microbatch: int) -> str:
-    """``rank R, step K, action A`` of the first action naming ``microbatch``, or "" (O(actions); errors only)."""
-    for rank in sorted(schedule.actions):
-        for step, action in enumerate(schedule.actions[rank]):
-            if action is not None and any(part.microbatch == microbatch for part in action.parts):
-                return _where(rank, step, action)
-    return ""
-
-
 def _check_completeness(index: _Index) -> None:
     ids, rank_of, node_step, x_kind = index.ids, index.rank_of, index.node_step, index.x_kind
     S, M, SM = ids.S, ids.M, ids.SM
@@ -275,7 +266,7 @@ def _check_completeness(index: _Index) -> None:
                         )
                 why = ""
                 if m == M - 1:  # the count comes from the largest index: say which action set it
-                    named = _naming(index.schedule, m)
+                    named = first_naming(index.schedule.actions, m)
                     why = f" (the schedule has {M} microbatches because {named} names microbatch {m})" if named else ""
                 raise ScheduleError(
                     f"rank {rank}: stage {s} microbatch {m} has no forward {s}F{m}{why}; {_COMPLETENESS}"
