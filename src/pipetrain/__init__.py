@@ -36,6 +36,8 @@ _LAZY = {
     "TensorChunkSpec": "pipetrain.microbatch",
     "REPLICATE": "pipetrain.microbatch",
     "split_into_chunks": "pipetrain.microbatch",
+    "PipelineError": "pipetrain.errors",
+    "ScheduleError": "pipetrain.errors",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -198,6 +198,10 @@ class PipelineScheduleMulti(_NamedSchedule):
         )
 
 
+_PipelineSchedule = PipelineScheduleRuntime
+"""torch's base class of every schedule (torchtitan types its schedules with it): here the one runtime."""
+
+
 class _PipelineScheduleRuntime(PipelineScheduleMulti):
     """torch's name for a multi-stage schedule that runs a CSV file (``_load_csv``)."""
 

@@ -153,8 +153,12 @@ class PipelineStage:
 
     @property
     def submod(self) -> torch.nn.Module:
-        """torch's name for :attr:`submodule`."""
+        """torch's name for :attr:`submodule`; assignable, as torchtitan's ``pipeline_llm`` does."""
         return self.submodule
+
+    @submod.setter
+    def submod(self, module: torch.nn.Module) -> None:
+        self.submodule = module
 
     @property
     def group_rank(self) -> int:
@@ -413,3 +417,7 @@ class PipelineStage:
         state = self._mbs.pop(mb, None)
         if state is not None and state.saved is not None:
             state.saved.release_all()
+
+
+_PipelineStageBase = PipelineStage
+"""torch's base class of its stage classes; torchtitan imports it as a type."""

@@ -31,3 +31,45 @@ def test_schedule_classes_take_torchs_arguments_in_torchs_order() -> None:
             assert issubclass(getattr(pipetrain, name), getattr(pipetrain, base)) == issubclass(
                 getattr(theirs, name), getattr(theirs, base)
             ), (name, base)
+
+
+def test_torchtitans_imports_exist_with_torchs_meaning() -> None:
+    """torchtitan's pipeline code imports these names from torch's schedules and stage modules and
+    uses ``_PipelineSchedule`` / ``_PipelineStageBase`` as the types of every schedule and stage."""
+    import pipetrain
+    from pipetrain.schedules import (  # torchtitan's import line, module renamed
+        PipelineScheduleMulti,
+        PipelineScheduleSingle,
+        ScheduleDualPipeV,
+        ScheduleZBVZeroBubble,
+        _PipelineSchedule,
+        _PipelineScheduleRuntime,
+        get_schedule_class,
+    )
+    from pipetrain.stage import _PipelineStageBase
+
+    for cls in (PipelineScheduleMulti, PipelineScheduleSingle, ScheduleDualPipeV, ScheduleZBVZeroBubble):
+        assert issubclass(cls, _PipelineSchedule)
+    assert issubclass(_PipelineScheduleRuntime, PipelineScheduleMulti)
+    assert get_schedule_class("zbvzerobubble") is ScheduleZBVZeroBubble
+    assert issubclass(pipetrain.PipelineStage, _PipelineStageBase)
+
+
+def test_stage_submod_is_assignable_like_torchs() -> None:
+    """torchtitan's ``pipeline_llm`` builds stages, then assigns ``stage.submod = model_part``."""
+    import torch
+
+    from pipetrain import PipelineStage
+
+    stage = PipelineStage(torch.nn.Linear(2, 2), 0, 2, "cpu")
+    other = torch.nn.Linear(2, 3)
+    stage.submod = other
+    assert stage.submod is other and stage.submodule is other
+
+
+def test_errors_users_are_told_to_catch_import_from_the_top() -> None:
+    from pipetrain import PipelineError, ScheduleError
+    from pipetrain.plan import ScheduleError as PlanScheduleError
+
+    assert ScheduleError is PlanScheduleError
+    assert issubclass(PipelineError, RuntimeError)
