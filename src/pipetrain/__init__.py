@@ -36,6 +36,11 @@ _LAZY = {
     "TensorChunkSpec": "pipetrain.microbatch",
     "REPLICATE": "pipetrain.microbatch",
     "split_into_chunks": "pipetrain.microbatch",
+    "pipeline": "pipetrain.tracing",
+    "pipe_split": "pipetrain.tracing",
+    "SplitPoint": "pipetrain.tracing",
+    "Pipe": "pipetrain.tracing",
+    "build_stage": "pipetrain.tracing",
     "PipelineError": "pipetrain.errors",
     "ScheduleError": "pipetrain.errors",
 }
