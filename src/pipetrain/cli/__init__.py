@@ -12,6 +12,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from pipetrain import __version__
+from pipetrain.cli.common import missing_extra
 from pipetrain.errors import PipelineError
 from pipetrain.plan.errors import ScheduleError
 
@@ -28,7 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pipetrain",
         description="Plan, check, simulate and run pipeline-parallel schedules.",
+        epilog="Run `pipetrain COMMAND --help` for a command's options. Planning commands need no torch; "
+        "pictures need matplotlib (pip install 'pipetrain[plot]'), train needs torch (pip install 'pipetrain[train]').",
     )
+    parser.add_argument("--version", action="version", version=f"pipetrain {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers.required = True
     for module_name in _COMMAND_MODULES:
@@ -63,6 +68,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 141  # as if killed by SIGPIPE, what `cmd | head` expects of a Unix tool
     except (ScheduleError, PipelineError, OSError) as err:
         print(f"pipetrain {args.command}: error: {err}", file=sys.stderr)
+        return 1
+    except ModuleNotFoundError as err:  # an optional dependency: say which extra installs it
+        missing = missing_extra(err, args.command)
+        if missing is None:
+            raise
+        print(f"pipetrain {args.command}: error: {missing}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"pipetrain {args.command}: interrupted", file=sys.stderr)

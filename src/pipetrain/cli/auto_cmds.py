@@ -14,7 +14,11 @@ from pipetrain.plan.search import rank_schedules
 
 def register(subparsers: Any) -> None:
     plan = subparsers.add_parser(
-        "plan", help="pick the fastest schedule for given costs within a memory limit (simulated)"
+        "plan",
+        help="pick the fastest schedule for given costs within a memory limit (simulated)",
+        description="Simulate every schedule family and stages-per-rank choice for the given costs, list them "
+        "fastest first with their peak memory, and keep the fastest that fits --memory-limit (written with "
+        "--csv/--json, ready for `pipetrain train --schedule FILE`).",
     )
     plan.add_argument("--ranks", "-p", type=int, required=True, help="number of pipeline ranks P")
     plan.add_argument("--microbatches", "-m", type=int, required=True, help="number of microbatches M")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 
 from pipetrain.plan.errors import ScheduleError
@@ -81,3 +82,40 @@ def output_path(path: str, fmt: str, flag: str | None = None) -> str:
     raise ScheduleError(
         f"{option} {path}: the name ends in {ext} but {option} writes {fmt.upper()}; name it {root}.{fmt}"
     )
+
+
+# The optional dependencies and the pyproject extra that installs each (planning needs none).
+_EXTRA_OF = {"matplotlib": "plot", "torch": "torch", "rich": "train"}
+
+
+class MissingExtraError(ModuleNotFoundError):
+    """An optional dependency a command needs is not installed; the message says what to install."""
+
+
+def missing_extra(err: ModuleNotFoundError, command: str, needed_by: str | None = None) -> MissingExtraError | None:
+    """The one-line error for ``err`` if it is an optional dependency missing, else None.
+
+    ``pipetrain train`` names the ``train`` extra (torch, matplotlib and rich together); other
+    commands the extra of the one package they lack.
+    """
+    if isinstance(err, MissingExtraError):
+        return err
+    root = (err.name or "").split(".")[0]
+    if root not in _EXTRA_OF:
+        return None
+    extra = "train" if command == "train" else _EXTRA_OF[root]
+    message = f"{needed_by or 'this command'} needs {root}, which is not installed: pip install 'pipetrain[{extra}]'"
+    if needed_by is None:
+        message += " (the planning commands show, export, validate, simulate, compare and plan need no extra)"
+    return MissingExtraError(message, name=root)
+
+
+def require(module: str, command: str, needed_by: str | None = None) -> None:
+    """Import ``module`` now, before any work, or raise :class:`MissingExtraError` naming the extra."""
+    try:
+        importlib.import_module(module)
+    except ModuleNotFoundError as err:
+        found = missing_extra(err, command, needed_by)
+        if found is None:
+            raise
+        raise found from None

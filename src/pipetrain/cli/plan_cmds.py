@@ -13,13 +13,23 @@ from pipetrain.plan.schedule import Schedule
 
 def register(subparsers: Any) -> None:
     names = ", ".join(schedule_names())
-    show = subparsers.add_parser("show", help="print a schedule as a steps × ranks grid")
+    show = subparsers.add_parser(
+        "show",
+        help="print a schedule as a steps × ranks grid",
+        description="Print a named schedule (or a .csv/.json file) as a text grid, one column per rank and one "
+        "row per step, in torch's action grammar (2F0 = stage 2's forward of microbatch 0).",
+    )
     show.add_argument("schedule", help=f"schedule name ({names}) or a .csv/.json file")
     add_size_arguments(show, required=False)
     _add_lowering_arguments(show)
     show.set_defaults(func=_show)
 
-    export = subparsers.add_parser("export", help="write a schedule as torch-format CSV or JSON")
+    export = subparsers.add_parser(
+        "export",
+        help="write a schedule as torch-format CSV or JSON",
+        description="Write a named schedule, optionally lowered (SEND/RECV, FSDP, gradient reduction), as a file: "
+        "torch's CSV format (readable by torch's _load_csv and by pipetrain) or pipetrain's JSON.",
+    )
     export.add_argument("schedule", help=f"schedule name ({names}) or a .csv/.json file")
     add_size_arguments(export, required=False)
     _add_lowering_arguments(export)
@@ -32,7 +42,13 @@ def register(subparsers: Any) -> None:
     )
     export.set_defaults(func=_export)
 
-    validate = subparsers.add_parser("validate", help="check a CSV/JSON schedule; exit 1 with the reason if broken")
+    validate = subparsers.add_parser(
+        "validate",
+        help="check a CSV/JSON schedule; exit 1 with the reason if broken",
+        description="Check a schedule file (torch's CSV format or JSON): every action present once, every "
+        "dependency met in order, no deadlock. Exit 0 if it can run; else exit 1 naming the rank, step, action "
+        "and rule.",
+    )
     validate.add_argument("file", help="schedule file (.csv in torch's format, or .json)")
     validate.set_defaults(func=_validate)
 

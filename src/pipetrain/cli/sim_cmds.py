@@ -12,6 +12,7 @@ from pipetrain.cli.common import (
     add_size_arguments,
     is_schedule_file,
     output_path,
+    require,
     schedule_from_args,
 )
 from pipetrain.plan.costs import Costs
@@ -28,7 +29,13 @@ _COSTS_HELP = (
 
 def register(subparsers: Any) -> None:
     names = ", ".join(schedule_names())
-    sim = subparsers.add_parser("simulate", help="simulate a schedule: makespan, bubble, memory, timeline picture")
+    sim = subparsers.add_parser(
+        "simulate",
+        help="simulate a schedule: makespan, bubble, memory, timeline picture",
+        description="Time a named schedule (or a .csv/.json file) with a cost model: step time (makespan), "
+        "idle share (bubble) and peak activations per rank; optionally draw its timeline (--png/--svg, needs "
+        "matplotlib) or write a Chrome trace.",
+    )
     sim.add_argument("schedule", help=f"schedule name ({names}) or a .csv/.json file")
     add_size_arguments(sim, required=False)
     sim.add_argument("--costs", default="", metavar="SPEC", help=_COSTS_HELP)
@@ -48,7 +55,12 @@ def register(subparsers: Any) -> None:
     sim.add_argument("--json", action="store_true", help="print the result summary as JSON on stdout")
     sim.set_defaults(func=_simulate)
 
-    cmp = subparsers.add_parser("compare", help="simulate every schedule that accepts the sizes, one row each")
+    cmp = subparsers.add_parser(
+        "compare",
+        help="simulate every schedule that accepts the sizes, one row each",
+        description="Simulate every known schedule for the same model on P ranks and M microbatches and print "
+        "one table row each: makespan, bubble, ratio to 1F1B, peak activations, messages sent.",
+    )
     add_size_arguments(cmp, required=True)
     cmp.add_argument(
         "--costs",
@@ -73,6 +85,8 @@ def _costs(text: str) -> Costs:
 def _simulate(args: argparse.Namespace) -> int:
     pictures = [(output_path(path, fmt), fmt) for path, fmt in ((args.png, "png"), (args.svg, "svg")) if path]
     trace = output_path(args.trace, "json", "trace") if args.trace else None
+    if pictures:
+        require("matplotlib", "simulate", "--" + "/--".join(fmt for _, fmt in pictures))
     schedule = schedule_from_args(args.schedule, args)
     costs = _costs(args.costs)
     try:
@@ -176,6 +190,8 @@ def _count_sends(schedule: Schedule) -> int | None:
 
 def _compare(args: argparse.Namespace) -> int:
     png = output_path(args.png, "png") if args.png else None
+    if png:
+        require("matplotlib", "compare", "--png")
     if args.stages_per_rank is not None and args.stages_per_rank < 1:
         raise ScheduleError(f"--stages-per-rank must be >= 1, got {args.stages_per_rank}")
     costs = _costs(args.costs)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import os
+import sys
 from typing import Any
 
 _DEFAULTS: dict[str, Any] = {
@@ -85,6 +87,9 @@ def register(subparsers: Any) -> None:
 
 def _train(args: argparse.Namespace) -> int:
     # torch loads only here, so the planning commands stay torch-free.
+    from pipetrain.cli.common import require
+
+    require("torch", "train")
     from pipetrain.errors import PipelineError
     from pipetrain.plan.schedule import Schedule, is_schedule_file
     from pipetrain.train.launch import spawn, torchrun_env
@@ -140,6 +145,12 @@ def _train(args: argparse.Namespace) -> int:
         raise PipelineError(f"--clip-grad-norm must be > 0, got {args.clip_grad_norm}")
     if args.batch_size < microbatches:
         raise PipelineError(f"--batch-size {args.batch_size} is smaller than {mb_source}")
+    if (env is None or env.rank == 0) and not _importable("matplotlib"):
+        print(
+            "pipetrain train: matplotlib is not installed, so no timeline pictures are drawn "
+            "(traces and the summary still are): pip install 'pipetrain[train]'",
+            file=sys.stderr,
+        )
     if env is not None:
         run_rank(env, cfg)
         return 0
@@ -154,3 +165,10 @@ def _train(args: argparse.Namespace) -> int:
             )
     spawn(run_rank, cfg.ranks, cfg)
     return 0
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # an import hook that refuses it
+        return False
