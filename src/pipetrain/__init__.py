@@ -28,7 +28,7 @@ _LAZY = {
     "ScheduleZBH2": "pipetrain.schedules",
     "ScheduleForwardOnly": "pipetrain.schedules",
     "get_schedule_class": "pipetrain.schedules",
-    "LocalPipeline": "pipetrain.local",
+    "LocalPipeline": "pipetrain.runtime",
     "clip_grad_norm_": "pipetrain.grads",
     "grad_norm": "pipetrain.grads",
     "split_args_kwargs_into_chunks": "pipetrain.microbatch",

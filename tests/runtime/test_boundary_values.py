@@ -16,7 +16,7 @@ from torch import nn
 
 from pipetrain import LocalPipeline, PipelineStage, get_schedule_class
 from pipetrain.microbatch import REPLICATE
-from pipetrain.transport import _fingerprint, _same, layout_of, rebuild
+from pipetrain.runtime.transport.wire import _fingerprint, _same, layout_of, rebuild
 
 # ------------------------------------------------------------------------------- layouts
 

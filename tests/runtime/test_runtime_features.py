@@ -175,13 +175,10 @@ def test_structured_boundaries_kwargs_uneven_and_changing_shapes(
 
 def _early(name: str, ranks: int, v: int) -> tuple[Any, dict[int, list[Any]]]:
     from pipetrain.plan import build_schedule
-    from pipetrain.runtime import _comm_parts
+    from pipetrain.plan.passes.early_recv import early_receives
 
     schedule = build_schedule(name, ranks, 8, v).lower()
-    early = {
-        r: [a for _, ahead in _comm_parts(schedule.actions[r], schedule.stage_to_rank) for a in ahead]
-        for r in range(ranks)
-    }
+    early = {r: early_receives(schedule.actions[r], schedule.stage_to_rank) for r in range(ranks)}
     return schedule, early
 
 
@@ -197,6 +194,31 @@ def test_early_receives_keep_the_order_per_peer(name: str, v: int) -> None:
         assert ahead == (recvs if grads else []), (name, r)
 
 
+@pytest.mark.parametrize(("name", "v"), [("1F1B", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2)])
+@pytest.mark.parametrize("ahead", [0, 1, 4, 100])
+def test_early_receives_are_a_lowering_option_visible_in_the_schedule(name: str, v: int, ahead: int) -> None:
+    """The pass only moves receives earlier, by at most ``ahead``, keeping every peer's order."""
+    from pipetrain.plan import ActionKind
+    from pipetrain.plan.passes.early_recv import post_receives_early
+
+    schedule, early = _early(name, 2, v)
+    moved = post_receives_early(schedule, ahead)
+    if ahead == 0:
+        assert moved is schedule
+    recv = (ActionKind.RECV_F, ActionKind.RECV_B)
+    for r in range(2):
+        before, after = schedule.actions[r], moved.actions[r]
+        assert sorted(map(str, before)) == sorted(map(str, after))
+        # Everything but the moved receives keeps its order; receives keep theirs.
+        assert [a for a in after if a not in early[r]] == [a for a in before if a not in early[r]]
+        assert [a for a in after if a.kind in recv] == [a for a in before if a.kind in recv] or early[r]
+        assert [a for a in after if a in early[r]] == early[r]
+        for a in early[r]:
+            assert after.index(a) <= before.index(a) + 0, (name, r, a)
+        if ahead and early[r]:
+            assert after[: min(ahead, len(early[r]))] == early[r][:ahead]  # posted before the first action
+
+
 def test_early_receives_only_from_peers_sending_gradients() -> None:
     """1F1B: the first rank gets gradients (posted early), the last only activations (in place)."""
     _, early = _early("1F1B", 2, 1)
@@ -205,7 +227,7 @@ def test_early_receives_only_from_peers_sending_gradients() -> None:
 
 def test_one_tensor_messages_travel_in_their_dtype() -> None:
     """A one-tensor message is received into a buffer of its dtype and read back as one view."""
-    from pipetrain.transport import _SAME, _pack, _recv_buffer, _unpack, layout_of
+    from pipetrain.runtime.transport.wire import _SAME, _pack, _recv_buffer, _unpack, layout_of
 
     for t in [torch.randn(3, 5, requires_grad=True), torch.arange(7, dtype=torch.int64), torch.randn(0, 4)]:
         layout, tensors = layout_of(t)
@@ -222,19 +244,19 @@ def test_one_tensor_messages_travel_in_their_dtype() -> None:
 
 def test_receive_window_comes_from_the_keyword_or_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     from pipetrain.errors import PipelineError
-    from pipetrain.runtime import DEFAULT_RECV_AHEAD, _recv_ahead
+    from pipetrain.runtime.prepare import DEFAULT_RECV_AHEAD, recv_window
 
     monkeypatch.delenv("PIPETRAIN_RECV_AHEAD", raising=False)
-    assert _recv_ahead(None) == DEFAULT_RECV_AHEAD == 4
-    assert _recv_ahead(2) == 2
+    assert recv_window(None) == DEFAULT_RECV_AHEAD == 4
+    assert recv_window(2) == 2
     monkeypatch.setenv("PIPETRAIN_RECV_AHEAD", "3")
-    assert _recv_ahead(None) == 3
-    assert _recv_ahead(0) == 0  # the keyword wins
+    assert recv_window(None) == 3
+    assert recv_window(0) == 0  # the keyword wins
     monkeypatch.setenv("PIPETRAIN_RECV_AHEAD", "many")
     with pytest.raises(PipelineError, match="PIPETRAIN_RECV_AHEAD must be an integer >= 0, got 'many'"):
-        _recv_ahead(None)
+        recv_window(None)
     with pytest.raises(PipelineError, match=r"recv_ahead \(the receive window\) must be >= 0, got -1"):
-        _recv_ahead(-1)
+        recv_window(-1)
 
 
 def _receive_times(rank: int, world: int) -> dict[Any, tuple[list[float], float]]:

@@ -26,7 +26,7 @@ def _messages(round_: int) -> dict[str, object]:
 def _exchange(rank: int, world: int, single_tag: bool) -> int:
     import torch.distributed as dist
 
-    from pipetrain.transport import DistTransport, RecvItem, SendItem, Waiter
+    from pipetrain.runtime.transport import DistTransport, RecvItem, SendItem, Waiter
 
     waiter = Waiter(None, timeout=60.0, poll=0.05, where=lambda: f"rank {rank}")
     transport = DistTransport(dist.group.WORLD, torch.device("cpu"), None, waiter, single_tag=single_tag)
@@ -62,7 +62,7 @@ def test_changing_layouts_match_with_and_without_tags(single_tag: bool) -> None:
 @pytest.mark.parametrize("old, new", [(1, True), (1, 1.0), (0, False)])
 def test_a_plain_value_of_another_type_is_a_new_layout(old: object, new: object) -> None:
     """1 and True compare equal, but a receiver rebuilding the old layout would hand over 1."""
-    from pipetrain.transport import _same, layout_of
+    from pipetrain.runtime.transport.wire import _same, layout_of
 
     t = torch.zeros(2)
     before, _ = layout_of({"x": t, "flag": old})
@@ -75,7 +75,7 @@ def test_a_plain_value_of_another_type_is_a_new_layout(old: object, new: object)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.complex128, torch.bool])
 def test_one_tensor_messages_are_one_view_of_a_typed_buffer(container: type | None, dtype: torch.dtype) -> None:
     """A tensor alone or in a one-element list/tuple (input gradients) unpacks without a copy."""
-    from pipetrain.transport import _SAME, _pack, _recv_buffer, _unpack, layout_of, rebuild
+    from pipetrain.runtime.transport.wire import _SAME, _pack, _recv_buffer, _unpack, layout_of, rebuild
 
     t = (torch.arange(12).reshape(3, 4) % 2).to(dtype).t()  # non-contiguous on purpose
     obj = t if container is None else container([t])

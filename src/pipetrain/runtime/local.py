@@ -9,29 +9,31 @@ exactly as the distributed transport matches them, so a schedule that runs here 
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from pipetrain.errors import PipelineError
-from pipetrain.microbatch import merge_chunks, split_args_kwargs_into_chunks, split_into_chunks, split_stage_kwargs
 from pipetrain.plan import Schedule, ScheduleError, build_schedule
 from pipetrain.plan.generators import family
-from pipetrain.plan.lower import forwards_only
-from pipetrain.plan.timeline import Timeline, TimelineEvent
-from pipetrain.runtime import LossFn, _Program, prepare_schedule, require_autograd
+from pipetrain.plan.timeline import Timeline
+from pipetrain.runtime.driver import StepDriver, events_timeline
+from pipetrain.runtime.executor import LossFn, RankExecutor, StepData
+from pipetrain.runtime.prepare import Prepared, prepare_for
+from pipetrain.runtime.transport.mailbox import LocalTransport
+from pipetrain.runtime.transport.wire import RecvHandle, RecvItem, SendItem
 from pipetrain.stage import PipelineStage
-from pipetrain.transport import LocalTransport, RecvHandle, RecvItem, SendItem
 
 __all__ = ["LocalPipeline"]
 
 
 class _LocalComm:
     blocking = False  # a rank yields while its data has not arrived
-    ahead = 0
 
     def __init__(self, rank: int, transport: LocalTransport) -> None:
         self.rank = rank
@@ -57,9 +59,6 @@ class _LocalComm:
     def poll(self) -> None:
         pass
 
-    def finish(self) -> None:
-        pass
-
 
 def _build(name: str, num_modules: int, n_microbatches: int, num_ranks: int | None) -> Schedule:
     fam = family(name)
@@ -80,7 +79,7 @@ def _build(name: str, num_modules: int, n_microbatches: int, num_ranks: int | No
     raise PipelineError(f"LocalPipeline: {num_modules} stages do not divide over num_ranks={num_ranks}")
 
 
-class LocalPipeline:
+class LocalPipeline(StepDriver):
     """Run ``modules`` (one per stage, in order) with ``schedule`` (a name or a Schedule) in one process.
 
     ``step`` and ``eval`` behave as those of :class:`~pipetrain.runtime.PipelineScheduleRuntime`
@@ -119,154 +118,79 @@ class LocalPipeline:
             raise PipelineError(
                 f"LocalPipeline: the schedule has {schedule.num_stages} stages but {len(modules)} modules were given"
             )
-        self.schedule = prepare_schedule(schedule, **dict(lower_options or {}))
+        self._setup(
+            loss_fn, scale_grads, args_chunk_spec, kwargs_chunk_spec, output_merge_spec, backward_requires_autograd
+        )
+        self.stages = [PipelineStage(m, i, len(modules), device) for i, m in enumerate(modules)]
+        self._lower_options = dict(lower_options or {})
+        self._prepared = prepare_for(schedule, self._lower_options, self.stages, 0, 0)
         self.n_microbatches = self.schedule.num_microbatches
         self.num_ranks = self.schedule.num_ranks
-        self.stages = [PipelineStage(m, i, len(modules), device) for i, m in enumerate(modules)]
-        self.loss_fn = loss_fn
-        self.scale_grads = scale_grads
-        self.backward_requires_autograd = backward_requires_autograd  # False: step() may run under no_grad
-        self._args_chunk_spec = args_chunk_spec
-        self._kwargs_chunk_spec = kwargs_chunk_spec
-        self._output_merge_spec = output_merge_spec
-        self._eval_schedule: Schedule | None = None
-        self._step_count = 0
+        self._transport = LocalTransport()
+        self._executors = [
+            RankExecutor(
+                rank,
+                {s: self.stages[s] for s in self.schedule.stages_of(rank)},
+                self.schedule.stage_to_rank,
+                self.num_stages,
+                _LocalComm(rank, self._transport),
+            )
+            for rank in range(self.num_ranks)
+        ]
+        self._where_now = "LocalPipeline"
         self.last_timeline: Timeline | None = None
 
-    def step(
-        self,
-        *args: Any,
-        target: Any = None,
-        losses: list[Any] | None = None,
-        return_outputs: bool = True,
-        loss_kwargs: dict[str, Any] | None = None,
-        stage_kwargs: dict[int, dict[str, Any]] | None = None,
-        stage_kwargs_chunk_spec: dict[int, dict[str, Any]] | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        """One training step over all stages (forward only without ``loss_fn``); ``stage_kwargs``
-        as in :meth:`PipelineScheduleRuntime.step`."""
-        extra = (stage_kwargs, stage_kwargs_chunk_spec)
-        if self.loss_fn is None:
-            return self._run(
-                self._forward_schedule(),
-                args,
-                kwargs,
-                None,
-                None,
-                train=False,
-                return_outputs=return_outputs,
-                extra=extra,
-            )
-        if target is None:
-            raise PipelineError("LocalPipeline.step: loss_fn is set but no target was given")
-        train = self.schedule.has_backward
-        if train and self.backward_requires_autograd:
-            require_autograd("LocalPipeline.step")
-        return self._run(
-            self.schedule,
-            args,
-            kwargs,
-            target,
-            losses,
-            train=train,
-            return_outputs=return_outputs,
-            loss_kwargs=loss_kwargs,
-            extra=extra,
-        )
+    @property
+    def loss_fn(self) -> LossFn | None:
+        return self._loss_fn
 
-    def eval(
-        self,
-        *args: Any,
-        target: Any = None,
-        losses: list[Any] | None = None,
-        return_outputs: bool = True,
-        loss_kwargs: dict[str, Any] | None = None,
-        stage_kwargs: dict[int, dict[str, Any]] | None = None,
-        stage_kwargs_chunk_spec: dict[int, dict[str, Any]] | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        """Forward only, without autograd; the merged output of the last stage (and with a
-        ``target`` and a ``loss_fn``, each microbatch's loss in ``losses``)."""
-        return self._run(
-            self._forward_schedule(),
-            args,
-            kwargs,
-            target,
-            losses,
-            train=False,
-            return_outputs=return_outputs,
-            loss_kwargs=loss_kwargs,
-            extra=(stage_kwargs, stage_kwargs_chunk_spec),
-        )
+    @loss_fn.setter
+    def loss_fn(self, value: LossFn | None) -> None:
+        self._loss_fn = value
 
-    def _forward_schedule(self) -> Schedule:
-        if self._eval_schedule is None:
-            self._eval_schedule = prepare_schedule(forwards_only(self.schedule))
-        return self._eval_schedule
+    @property
+    def _held(self) -> list[int]:
+        return list(range(len(self.stages)))
 
-    def _run(
-        self,
-        schedule: Schedule,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        target: Any,
-        losses: list[Any] | None,
-        *,
-        train: bool,
-        return_outputs: bool = True,
-        loss_kwargs: dict[str, Any] | None = None,
-        extra: tuple[Any, Any] = (None, None),
-    ) -> Any:
-        step_index = self._step_count
-        self._step_count += 1
-        n = self.n_microbatches
-        a, k = split_args_kwargs_into_chunks(args, kwargs, n, self._args_chunk_spec, self._kwargs_chunk_spec)
-        inputs = list(zip(a, k, strict=True))
-        targets = split_into_chunks(target, n, None, "target") if target is not None else None
-        stage_kwargs = split_stage_kwargs(extra[0], n, schedule.num_stages, range(schedule.num_stages), extra[1])
-        transport = LocalTransport()
-        programs = []
-        for rank in range(schedule.num_ranks):
-            held = {s: self.stages[s] for s in schedule.stages_of(rank)}
-            programs.append(
-                _Program(rank, held, schedule.stage_to_rank, schedule.num_stages, _LocalComm(rank, transport))
-            )
-        last_rank = schedule.stage_to_rank[schedule.num_stages - 1]
-        first_rank = schedule.stage_to_rank[0]
-        gens: dict[int, Generator[None, None, None]] = {}
-        for rank, program in enumerate(programs):
-            gens[rank] = program.run(
-                schedule.actions[rank],
-                step_index=step_index,
-                inputs=inputs if rank == first_rank else None,
-                targets=targets if rank == last_rank else None,
-                loss_fn=self.loss_fn if targets is not None else None,
-                loss_scale=1.0 / n if self.scale_grads else 1.0,
-                train=train,
-                keep_outputs=return_outputs,
-                loss_kwargs=loss_kwargs,
-                stage_kwargs={s: stage_kwargs[s] for s in schedule.stages_of(rank) if s in stage_kwargs},
-            )
+    def _where(self) -> str:
+        return self._where_now
+
+    @contextlib.contextmanager
+    def _guard(self, prepared: Prepared, step_index: int) -> Iterator[None]:
+        self._where_now = f"LocalPipeline, step {step_index}"
+        for rank, executor in enumerate(self._executors):
+            executor.begin(prepared.program(rank), step_index)
         t_start = time.perf_counter_ns()
         try:
-            self._interleave(gens, programs, transport)
-            last = programs[last_rank]
-            if losses is not None and last.losses:
-                losses.clear()
-                losses.extend(last.losses[m] for m in sorted(last.losses))
-            result = None
-            if return_outputs and last.outputs:
-                result = merge_chunks([last.outputs[m] for m in sorted(last.outputs)], self._output_merge_spec)
+            yield
         finally:
-            self.last_timeline = self._timeline(programs, schedule, step_index, t_start)
-            for program in programs:
-                program.clear()
-        return result
+            events = [(e.rank, a, t0, t1) for e in self._executors for a, t0, t1 in e.events]
+            title = f"{prepared.schedule.name} (local) step {step_index}"
+            self.last_timeline = events_timeline(events, prepared.schedule, title, t_start)
+            for executor in self._executors:
+                executor.clear()
+            self._transport.clear()  # what a failed step left in the mailboxes
+            self._where_now = "LocalPipeline"
+
+    def _execute(self, prepared: Prepared, data: StepData) -> RankExecutor | None:
+        """Every rank's program, interleaved: a rank runs until it waits for data, then the next."""
+        schedule = prepared.schedule
+        first, last = schedule.stage_to_rank[0], schedule.stage_to_rank[schedule.num_stages - 1]
+        gens: dict[int, Generator[None, None, None]] = {}
+        for rank, executor in enumerate(self._executors):
+            mine = dataclasses.replace(
+                data,
+                inputs=data.inputs if rank == first else None,
+                targets=data.targets if rank == last else None,
+                stage_kwargs={s: v for s, v in data.stage_kwargs.items() if s in executor.stages},
+            )
+            gens[rank] = executor.run(prepared.program(rank), mine)
+        self._interleave(gens, self._executors, self._transport)
+        return self._executors[last]
 
     @staticmethod
     def _interleave(
-        gens: dict[int, Generator[None, None, None]], programs: list[_Program], transport: LocalTransport
+        gens: dict[int, Generator[None, None, None]], programs: list[RankExecutor], transport: LocalTransport
     ) -> None:
         live = dict(gens)
         while live:
@@ -288,15 +212,3 @@ class LocalPipeline:
             if not progressed:
                 stuck = ", ".join(programs[r].where() for r in live)
                 raise PipelineError(f"the schedule deadlocked: every remaining rank waits for data ({stuck})")
-
-    def _timeline(self, programs: list[_Program], schedule: Schedule, step_index: int, t_start: int) -> Timeline:
-        events = [
-            TimelineEvent(
-                p.rank, str(a), a.kind.value, a.stage, a.microbatch, (t0 - t_start) / 1e9, (t1 - t_start) / 1e9
-            )
-            for p in programs
-            for a, t0, t1 in p.events
-        ]
-        return Timeline(
-            schedule.num_ranks, events, title=f"{schedule.name} (local) step {step_index}", source="measured", unit="s"
-        )

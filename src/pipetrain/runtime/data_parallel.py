@@ -1,0 +1,118 @@
+"""Data-parallel glue: what UNSHARD, RESHARD and REDUCE_GRAD do on DDP and FSDP2 modules.
+
+A stage's module may be wrapped for data parallelism across replicas of the pipeline. The
+schedule says when to gather (UNSHARD), free (RESHARD) and reduce gradients (REDUCE_GRAD); this
+module only carries those actions out, and holds the per-backward reduction both wrappers would
+otherwise do, so that gradients accumulate over the microbatches and are reduced once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipetrain.errors import PipelineError
+from pipetrain.plan import ActionKind, Schedule
+from pipetrain.plan.lower import add_grad_reduction
+from pipetrain.stage import PipelineStage
+
+__all__ = ["default_lowering", "dp_kind", "hold_grad_sync", "reduce_grad", "reshard", "unshard", "with_grad_reduction"]
+
+
+def dp_kind(module: torch.nn.Module) -> str | None:
+    """ "fsdp" for an FSDP2 (fully_shard) module, "ddp" for DistributedDataParallel, else None."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(module, FSDPModule):
+        return "fsdp"
+    if isinstance(module, DistributedDataParallel):
+        return "ddp"
+    return None
+
+
+def default_lowering(stages: Sequence[PipelineStage]) -> dict[str, Any]:
+    """The lowering options for ``stages`` when the caller gave none: with data-parallel modules,
+    one REDUCE_GRAD per stage and step, and FSDP's gathers planned by the schedule."""
+    kinds = {dp_kind(st.submodule) for st in stages} - {None}
+    return {"grad_reduce": True, "fsdp": "fsdp" in kinds} if kinds else {}
+
+
+def with_grad_reduction(schedule: Schedule, stages: Sequence[PipelineStage], rank: int) -> Schedule:
+    """``schedule`` with REDUCE_GRAD added if it has none and a data-parallel stage trains.
+
+    Without one, a data-parallel stage would never reduce its gradients; adding it here (rather
+    than reducing behind the schedule's back) keeps it visible in ``pipeline_order_with_comms``.
+    """
+    dp = [st.stage_index for st in stages if dp_kind(st.submodule) is not None]
+    if not dp or not schedule.has_backward:
+        return schedule
+    reduced = {
+        a.stage
+        for r in range(schedule.num_ranks)
+        for a in schedule.actions[r]
+        if a is not None and a.kind is ActionKind.REDUCE_GRAD
+    }
+    if not reduced:
+        return add_grad_reduction(schedule)
+    missing = sorted(set(dp) - reduced)
+    if missing:
+        raise PipelineError(
+            f"rank {rank}: stages {missing} are data parallel, but the schedule reduces the gradients of stages "
+            f"{sorted(reduced)} only; give every data-parallel stage a REDUCE_GRAD (or none, to have them added)"
+        )
+    return schedule
+
+
+def unshard(stage: PipelineStage) -> None:
+    if dp_kind(stage.submodule) == "fsdp":
+        stage.submodule.unshard()  # type: ignore[operator]
+
+
+def reshard(stage: PipelineStage) -> None:
+    if dp_kind(stage.submodule) == "fsdp":
+        stage.submodule.reshard()  # type: ignore[operator]
+
+
+def hold_grad_sync(stage: PipelineStage) -> None:
+    """Accumulate gradients locally over the microbatches: no data-parallel reduction per backward."""
+    module: Any = stage.submodule
+    kind = dp_kind(module)
+    if kind == "fsdp":
+        module.set_is_last_backward(False)
+        module.set_reshard_after_backward(False)
+        module.set_requires_gradient_sync(False)
+    elif kind == "ddp":
+        module.require_backward_grad_sync = False
+
+
+def reduce_grad(stage: PipelineStage) -> None:
+    """REDUCE_GRAD: the one data-parallel gradient reduction of the step for this stage."""
+    module: Any = stage.submodule
+    kind = dp_kind(module)
+    if kind == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        module.set_is_last_backward(True)
+        module.set_reshard_after_backward(True)
+        module.set_requires_gradient_sync(True)
+        state = fully_shard.state(module)  # type: ignore[attr-defined]
+        for sub in state._state_ctx.all_states:
+            for group in sub._fsdp_param_groups:
+                group.post_backward()  # reduce-scatter what the microbatches accumulated
+        state._root_post_backward_final_callback()
+    elif kind == "ddp":
+        grads = [p.grad for p in module.parameters() if p.grad is not None]
+        if grads:
+            group = module.process_group
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=group)
+            flat /= dist.get_world_size(group)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+        module.require_backward_grad_sync = True

@@ -1,0 +1,315 @@
+"""The distributed driver: :class:`PipelineScheduleRuntime`, one rank of a pipeline on ``torch.distributed``."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from pipetrain.errors import PipelineError
+from pipetrain.plan import Action, Schedule
+from pipetrain.plan.timeline import Timeline, TimelineEvent
+from pipetrain.runtime.data_parallel import default_lowering, dp_kind, hold_grad_sync
+from pipetrain.runtime.driver import Events, StepDriver, events_timeline
+from pipetrain.runtime.executor import LossFn, RankExecutor, StepData
+from pipetrain.runtime.failures import (
+    DEAD_GROUPS,
+    RemoteFailureError,
+    agree,
+    dead_group,
+    failure_channel,
+)
+from pipetrain.runtime.prepare import Prepared, prepare_for, read_torch_csv, recv_window
+from pipetrain.runtime.transport.completion import Waiter
+from pipetrain.runtime.transport.p2p import DistTransport
+from pipetrain.runtime.transport.wire import RecvHandle, RecvItem, SendItem
+from pipetrain.stage import PipelineStage
+
+__all__ = ["PipelineScheduleRuntime"]
+
+
+class _DistComm:
+    blocking = True  # take() waits; ready() is always true and poll() has nothing to do mid-step
+
+    def __init__(self, transport: DistTransport) -> None:
+        self.transport = transport
+
+    def post(self, items: list[SendItem | RecvItem]) -> list[RecvHandle]:
+        return self.transport.post(items)
+
+    def ready(self, handle: RecvHandle) -> bool:
+        return True  # take() blocks
+
+    def take(self, handle: RecvHandle) -> Any:
+        return self.transport.wait(handle)
+
+    def poll(self) -> None:
+        self.transport.waiter.run_callbacks()
+
+
+class PipelineScheduleRuntime(StepDriver):
+    """Run any :class:`~pipetrain.plan.Schedule` on this rank's ``stages`` over ``torch.distributed``.
+
+    ``schedule`` may be compute-only (it is validated and lowered here, before any communication)
+    or already lowered. ``step`` trains (forward, loss on the last stage, backward); ``eval``
+    runs forward only, on every schedule. ``timeout`` bounds every wait for another rank; a failure
+    on any rank makes every rank raise within about ``poll_interval`` seconds.
+
+    ``recv_ahead`` (gloo only): how many receives from peers that send this rank gradients may be
+    posted ahead of their place in the program. A receive posted before its send lets the data go
+    out at once instead of after a round trip; each costs a buffer the size of its message from
+    the moment it is posted. ``None``: the ``PIPETRAIN_RECV_AHEAD`` environment variable if set,
+    else 4; ``0``: every receive where the program places it.
+    """
+
+    def __init__(
+        self,
+        stages: PipelineStage | Sequence[PipelineStage],
+        schedule: Schedule,
+        loss_fn: LossFn | None = None,
+        scale_grads: bool = True,
+        args_chunk_spec: tuple[Any, ...] | None = None,
+        kwargs_chunk_spec: dict[str, Any] | None = None,
+        output_merge_spec: Any = None,
+        *,
+        timeout: float | timedelta = 300.0,
+        poll_interval: float = 0.05,
+        group: dist.ProcessGroup | None = None,
+        lower_options: dict[str, Any] | None = None,
+        recv_ahead: int | None = None,
+        backward_requires_autograd: bool = True,
+    ) -> None:
+        self._stage_list = [stages] if isinstance(stages, PipelineStage) else list(stages)
+        if not self._stage_list:
+            raise PipelineError("PipelineScheduleRuntime needs at least one PipelineStage")
+        self._setup(
+            loss_fn, scale_grads, args_chunk_spec, kwargs_chunk_spec, output_merge_spec, backward_requires_autograd
+        )
+        self.timeout = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+        self.poll_interval = min(poll_interval, self.timeout)
+        self.group = group if group is not None else self._stage_list[0].group
+        self.rank, self.world = self._rank_and_world()
+        self.stages = {st.stage_index: st for st in self._stage_list}
+        self._dp_stages = [st for st in self._stage_list if dp_kind(st.submodule) is not None]
+        # Data-parallel stages: one gradient reduction per step, FSDP gathers planned by the schedule.
+        self._lower_options = dict(default_lowering(self._stage_list) if lower_options is None else lower_options)
+        self._failure = failure_channel(self.group, self.rank)
+        self._group_obj = self.group if self.group is not None else dist.group.WORLD
+        story = DEAD_GROUPS.get(self._group_obj)
+        if story is None and self._failure is not None:
+            story = self._failure.check()
+        if story is not None:
+            raise PipelineError(f"rank {self.rank}: {dead_group(story)}")
+        self._waiter = self._new_waiter()
+        self._transport = DistTransport(self.group, self._stage_list[0].device, self._failure, self._waiter)
+        # Early receives leave the matching alone only where it is per peer and tag (gloo).
+        self._recv_ahead = 0 if self._transport.single_tag else recv_window(recv_ahead)
+        self._planned = schedule  # as given (what _dump_csv writes in compute_only form)
+        try:
+            self._prepared = prepare_for(schedule, self._lower_options, self._stage_list, self.rank, self._recv_ahead)
+        except PipelineError as err:  # every rank refuses the same schedule, before any communication
+            self._report(f"rank {self.rank} failed while building the runtime: {err}")
+            raise
+        self._executor = RankExecutor(
+            self.rank, self.stages, self.schedule.stage_to_rank, self.num_stages, _DistComm(self._transport)
+        )
+        try:
+            self._check_stages(self.schedule)
+        except PipelineError as err:
+            # The other ranks will run their first step: wake those waiting for this rank's messages.
+            self._report(f"rank {self.rank} failed while building the runtime: {err}")
+            self._executor.begin(self._prepared.program(self.rank), 0)
+            self._transport.poison(self._executor.unsent())
+            raise
+        self.n_microbatches = self.schedule.num_microbatches
+        self._last: tuple[Events, int, Schedule] | None = None
+
+    @property
+    def _held(self) -> list[int]:
+        return sorted(self.stages)
+
+    # ------------------------------------------------- torch's names and CSV files
+    @property
+    def _stages(self) -> list[PipelineStage]:
+        """This rank's stages (torch's attribute on multi-stage schedules)."""
+        return self._stage_list
+
+    @property
+    def _stage(self) -> PipelineStage:
+        """This rank's only stage (torch's attribute on single-stage schedules)."""
+        return self._stage_list[0]
+
+    @property
+    def _n_microbatches(self) -> int:
+        return self.n_microbatches
+
+    @property
+    def _num_stages(self) -> int:
+        return self.schedule.num_stages
+
+    @property
+    def _has_backward(self) -> bool:
+        return self.schedule.has_backward
+
+    @property
+    def pp_group_size(self) -> int:
+        return self.world
+
+    @property
+    def stage_index_to_group_rank(self) -> dict[int, int]:
+        return dict(self.schedule.stage_to_rank)
+
+    @property
+    def pipeline_order(self) -> dict[int, list[Action | None]]:
+        """Every rank's compute actions, step by step (torch's attribute; ``None`` is idle)."""
+        return {r: list(a) for r, a in self._planned.actions.items()}
+
+    @property
+    def pipeline_order_with_comms(self) -> dict[int, list[Action | None]]:
+        """Every rank's actions as this runtime runs them, SEND/RECV included."""
+        return {r: list(a) for r, a in self.schedule.actions.items()}
+
+    def _load_csv(self, filename: str, format: str = "compute_only") -> None:
+        """Run the schedule in a CSV file in torch's format from now on (torch's method of the
+        same name; ``pipetrain.plan.Schedule.from_csv`` reads the same files).
+
+        ``format``: ``"compute_only"`` (F/B/I/W; SEND/RECV are added here) or ``"compute_comms"``
+        (already holding them). The file must place this rank's stages where they are and have
+        this runtime's number of microbatches; it is validated before anything runs.
+        """
+        self._use_schedule(read_torch_csv(filename, format, self.n_microbatches, f"rank {self.rank}: "), filename)
+
+    def _use_schedule(self, schedule: Schedule, source: str) -> None:
+        try:
+            prepared = prepare_for(schedule, self._lower_options, self._stage_list, self.rank, self._recv_ahead)
+            self._check_stages(prepared.schedule)
+        except PipelineError as err:
+            raise PipelineError(f"{source}: {err}") from None
+        # Every rank loads the same files in the same order: they agree afresh on the new schedule.
+        self._planned, self._prepared, self._eval_prepared = schedule, prepared, None
+        self._executor = RankExecutor(
+            self.rank, self.stages, prepared.schedule.stage_to_rank, prepared.schedule.num_stages, self._executor.comm
+        )
+
+    def _dump_csv(self, filename: str, format: str = "compute_only") -> None:
+        """Write this runtime's schedule in torch's CSV format (torch's method of the same name)."""
+        if format not in ("compute_only", "compute_comms"):
+            raise ValueError(f"format must be 'compute_only' or 'compute_comms', got {format!r}")
+        (self._planned if format == "compute_only" else self.schedule).to_csv(filename)
+
+    # -------------------------------------------------------------- set-up
+    def _rank_and_world(self) -> tuple[int, int]:
+        if not dist.is_available() or not dist.is_initialized():
+            raise PipelineError(
+                "PipelineScheduleRuntime needs an initialised torch.distributed process group "
+                "(torchrun or dist.init_process_group); use LocalPipeline to run all stages in one process"
+            )
+        return dist.get_rank(self.group), dist.get_world_size(self.group)
+
+    def _new_waiter(self) -> Waiter:
+        return Waiter(self._failure, self.timeout, self.poll_interval, self._where)
+
+    def _report(self, message: str) -> None:
+        if self._failure is not None:
+            self._failure.report(message)
+
+    def _check_stages(self, schedule: Schedule) -> None:
+        if schedule.num_ranks != self.world:
+            raise PipelineError(
+                f"rank {self.rank}: the schedule has {schedule.num_ranks} ranks but the pipeline group has {self.world}"
+            )
+        expected = schedule.stages_of(self.rank)
+        given = sorted(self.stages)
+        if len(given) != len(self._stage_list):
+            raise PipelineError(f"rank {self.rank}: two stages given with the same stage_index ({given})")
+        if given != expected:
+            raise PipelineError(
+                f"rank {self.rank}: stages {given} were given, but the schedule {schedule.name!r} places stages "
+                f"{expected} on this rank (placement {schedule.stage_to_rank})"
+            )
+        for st in self._stage_list:
+            if st.num_stages != schedule.num_stages:
+                raise PipelineError(
+                    f"rank {self.rank}: stage {st.stage_index} was built with num_stages={st.num_stages}, "
+                    f"but the schedule has {schedule.num_stages} stages"
+                )
+
+    # -------------------------------------------------------------- running
+    def _where(self) -> str:
+        return self._executor.where() if hasattr(self, "_executor") else f"rank {self.rank}"
+
+    @contextlib.contextmanager
+    def _guard(self, prepared: Prepared, step_index: int) -> Iterator[None]:
+        """Refuse a dead group; agree on a new schedule; turn any failure into every rank's error."""
+        story = DEAD_GROUPS.get(self._group_obj)
+        if story is not None:
+            raise PipelineError(f"rank {self.rank}: this schedule cannot run: {dead_group(story)}")
+        executor = self._executor
+        executor.begin(prepared.program(self.rank), step_index)  # what a failure before the first action cancels
+        try:
+            if not prepared.agreed:
+                agree(self._failure, prepared.base, self.rank, self.timeout, self.poll_interval, self._where)
+                prepared.agreed = True
+            yield
+        except BaseException as exc:
+            self._fail(executor, exc)
+            raise AssertionError("unreachable") from exc  # _fail always raises
+        finally:
+            self._last = ([(self.rank, a, t0, t1) for a, t0, t1 in executor.events], step_index, prepared.schedule)
+            executor.clear()
+
+    def _execute(self, prepared: Prepared, data: StepData) -> RankExecutor | None:
+        if data.train:
+            for st in self._dp_stages:
+                hold_grad_sync(st)
+        executor = self._executor
+        for _ in executor.run(prepared.program(self.rank), data):  # pragma: no cover - waits block instead
+            pass
+        self._transport.finish()
+        return executor if self.has_last_stage else None
+
+    def _fail(self, executor: RankExecutor, exc: BaseException) -> None:
+        where = executor.where()
+        remote = isinstance(exc, RemoteFailureError)
+        if isinstance(exc, PipelineError):
+            message = str(exc) if str(exc).startswith("rank ") else f"{where}: {exc}"
+        else:
+            message = f"{where}: {type(exc).__name__}: {exc}"
+            if executor.action is not None and executor.action.kind.is_compute:
+                message += self._transport.input_note(executor.action, self.schedule.stage_to_rank, self.rank)
+        DEAD_GROUPS.setdefault(self._group_obj, message)
+        if not remote:
+            self._report(message if message.startswith("rank ") else f"rank {self.rank}: {message}")
+        # Wake whoever waits for a message of ours (after the report, so they can read it).
+        self._transport.poison(executor.unsent())
+        # Receives posted but not taken may still be in flight: keep them alive (see reset()).
+        self._transport.park([*executor.recv_f.values(), *executor.recv_b.values()])
+        # Pending operations can never complete now: start afresh (the parked threads stay asleep).
+        self._transport.reset()
+        self._waiter.close()
+        self._waiter = self._new_waiter()
+        self._transport.waiter = self._waiter
+        if isinstance(exc, PipelineError) and message == str(exc):
+            raise exc
+        raise PipelineError(message) from exc
+
+    @property
+    def last_timeline(self) -> Timeline | None:
+        """When each action of the last step ran on this rank (built on demand: steps stay cheap)."""
+        if self._last is None:
+            return None
+        events, step_index, schedule = self._last
+        return events_timeline(events, schedule, f"{schedule.name} step {step_index}, rank {self.rank}")
+
+    def gather_timeline(self) -> Timeline | None:
+        """The last step's timeline of every rank (a collective: call it on all ranks), times from 0."""
+        if self.last_timeline is None:
+            return None
+        parts: list[Any] = [None] * self.world
+        dist.all_gather_object(parts, [e.to_dict() for e in self.last_timeline.events], group=self.group)
+        events = [TimelineEvent.from_dict(e) for part in parts for e in part]
+        merged = Timeline(self.world, events, self.last_timeline.title.split(",")[0], "measured", "s")
+        return merged.shifted(-merged.start)

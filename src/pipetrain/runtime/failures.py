@@ -1,0 +1,191 @@
+"""Failure agreement: every rank learns of a failure anywhere, and ranks agree on the schedule.
+
+The first rank that fails leaves its story in the process group's store (:class:`FailureChannel`);
+ranks waiting for data poll it, so a failure anywhere becomes an error everywhere instead of a
+hang. Before the first step of a schedule, neighbours check they run the same one
+(:func:`agree`). A group on which a step failed is never used again in this process
+(:func:`dead_group_story`): messages of the failed step may still be in flight on it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+from pipetrain.errors import PipelineError
+from pipetrain.plan import Schedule
+
+__all__ = ["FailureChannel", "RemoteFailureError", "agree", "announce_failure"]
+
+
+class RemoteFailureError(PipelineError):
+    """This rank stopped because another rank failed (the message tells which, where and why)."""
+
+
+class FailureChannel:
+    """A side channel (a ``torch.distributed`` Store) where the first failing rank leaves its story.
+
+    Ranks waiting for data poll it, so a failure anywhere turns into an error everywhere instead
+    of a hang. Keys are namespaced per process group, so a fresh group starts clean.
+    """
+
+    def __init__(self, store: Any, namespace: str, rank: int) -> None:
+        self.store = store
+        self.rank = rank
+        self.namespace = namespace
+        self._count = f"pipetrain/{namespace}/failures"
+        self._message = f"pipetrain/{namespace}/failure"
+
+    def report(self, message: str) -> None:
+        """Record ``message`` unless another rank already reported a failure."""
+        try:
+            if self.store.add(self._count, 1) == 1:
+                self.store.set(self._message, message)
+        except Exception:  # the store may be gone when the job is torn down; the raise still happens
+            pass
+
+    def check(self) -> str | None:
+        try:
+            if self.store.check([self._message]):
+                return bytes(self.store.get(self._message)).decode()
+        except Exception:
+            return None
+        return None
+
+
+def failure_channel(group: dist.ProcessGroup | None, rank: int) -> FailureChannel | None:
+    """The store where ranks of ``group`` leave the story of a failure (None without a default store)."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError):
+        return None
+    return FailureChannel(store, _namespace(group), rank)
+
+
+def _namespace(group: dist.ProcessGroup | None) -> str:
+    group_obj = group if group is not None else dist.group.WORLD
+    return str(getattr(group_obj, "group_name", "world"))
+
+
+def dead_group(story: str) -> str:
+    return (
+        f"the pipeline's process group already failed ({story}). Messages of the failed step may still be in "
+        "flight on its connections, so it is not reused: build the stages on a new group (dist.new_group()) "
+        "or restart the job"
+    )
+
+
+def announce_failure(group: dist.ProcessGroup | None, message: str) -> None:
+    """Leave ``message`` as the group's failure story: for a rank that fails before its runtime
+    exists (a schedule class refusing its arguments). The other ranks read it at their first step,
+    while they wait for the ranks they exchange messages with (see ``_agree``)."""
+    if dist.is_available() and dist.is_initialized():
+        channel = failure_channel(group, dist.get_rank(group))
+        if channel is not None:
+            channel.report(message)
+
+
+_AGREEMENT: dict[str, list[int]] = {}  # per group namespace: how many first steps this process ran
+
+
+def _neighbours(schedule: Schedule, rank: int) -> list[int]:
+    """The ranks that exchange messages with ``rank`` under ``schedule`` (sorted)."""
+    where = schedule.stage_to_rank
+    out = set()
+    for s, r in where.items():
+        if r == rank:
+            out.update(where[t] for t in (s - 1, s + 1) if t in where)
+    out.discard(rank)
+    return sorted(out)
+
+
+def _summary(schedule: Schedule) -> str:
+    return (
+        f"{schedule.name or 'a custom schedule'} with {schedule.num_ranks} ranks, {schedule.num_stages} stages "
+        f"and {schedule.num_microbatches} microbatches"
+    )
+
+
+def _messages_hash(schedule: Schedule, rank: int) -> str:
+    """A digest of the SEND/RECV actions of ``rank``'s program, in order: what must match between
+    neighbours (compute, FSDP and gradient-reduction actions may differ per rank)."""
+    text = ",".join(str(a) for a in schedule.actions[rank] if a is not None and a.kind.is_comm)
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+# Process groups on which a step failed in this process, with the story: no schedule object runs
+# on them again (messages of the failed step may be in flight). Weak keys: a group name may be
+# reused by a later group after destroy_process_group.
+DEAD_GROUPS: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+
+def _wait_keys(
+    failure: FailureChannel, keys: list[str], timeout: float, poll: float, where: Callable[[], str]
+) -> list[str]:
+    """The values of ``keys`` once all are in the store; raises if a rank failed or after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    store = failure.store
+    pause = 0.0005  # doubled up to `poll`: peers usually arrive within milliseconds
+    while keys and not store.check(keys):  # (store.wait would log a warning at each expiry)
+        story = failure.check()
+        if story is not None:
+            raise RemoteFailureError(f"{where()}: stopped before the first step because {story}")
+        if time.monotonic() > deadline:
+            raise PipelineError(
+                f"{where()}: timed out after {timeout:g} s waiting for ranks to start the schedule "
+                "(no rank reported a failure)"
+            )
+        time.sleep(pause)
+        pause = min(2 * pause, poll)
+    return [bytes(store.get(k)).decode() for k in keys]
+
+
+def agree(
+    failure: FailureChannel | None,
+    schedule: Schedule,
+    rank: int,
+    timeout: float,
+    poll: float,
+    where: Callable[[], str],
+) -> None:
+    """Check, before the first step of ``schedule``, that ``rank``'s neighbours run the same one.
+
+    Ranks that built different schedules (say, different ``n_microbatches``) would post
+    operations that do not match: gloo then aborts the process on a size mismatch, or a rank
+    waits forever. Each rank leaves in the store a summary of the schedule and a hash of its
+    program's sends and receives; each checks its neighbours' against its own copy of the
+    schedule. Skipped on a store that cannot hold keys.
+    """
+    peers = _neighbours(schedule, rank)
+    if failure is None or not peers:
+        return
+    key = _AGREEMENT.setdefault(failure.namespace, [0])
+    key[0] += 1  # the n-th first step on a group is collective, so every rank counts alike
+    prefix = f"pipetrain/{failure.namespace}/plan/{key[0]}/"
+    mine = _summary(schedule)
+    # Sizes and messages must agree; names may not (the same CSV saved under two names).
+    sizes = f"{schedule.num_ranks},{schedule.num_stages},{schedule.num_microbatches}"
+    try:
+        failure.store.set(f"{prefix}{rank}", f"{mine}#{sizes}#{_messages_hash(schedule, rank)}")
+        ready = failure.store.check([f"{prefix}{rank}"])
+    except Exception:  # a store without set/check (a fake backend's): nothing to compare with
+        ready = False
+    if not ready:
+        return
+    theirs = _wait_keys(failure, [f"{prefix}{p}" for p in peers], timeout, poll, where)
+    for peer, value in zip(peers, theirs, strict=True):
+        summary, their_sizes, digest = value.rsplit("#", 2)
+        if their_sizes != sizes:
+            raise PipelineError(
+                f"{where()}: the ranks built different schedules: this rank runs {mine}, rank {peer} runs {summary}"
+            )
+        if digest != _messages_hash(schedule, peer):
+            raise PipelineError(
+                f"{where()}: the ranks built different schedules: rank {peer}'s sends and receives "
+                f"differ from those this rank's schedule ({mine}) gives it"
+            )

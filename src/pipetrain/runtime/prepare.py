@@ -1,0 +1,137 @@
+"""From the schedule a user gives to what the executor runs: lowering, its options, compiling.
+
+A compute-only schedule is validated and lowered here, before any communication; a lowered one
+is checked. Lowering options that depend on the backend or the modules (early receives on gloo,
+gradient reduction for data-parallel stages) are applied as passes, so the result is an ordinary
+lowered schedule: ``pipeline_order_with_comms`` shows exactly what runs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from pipetrain.errors import PipelineError
+from pipetrain.plan import Schedule, ScheduleError
+from pipetrain.plan.lower import forwards_only
+from pipetrain.plan.passes.early_recv import post_receives_early
+from pipetrain.plan.program import RankProgram, compile_program
+from pipetrain.runtime.data_parallel import with_grad_reduction
+from pipetrain.stage import PipelineStage
+
+__all__ = [
+    "DEFAULT_RECV_AHEAD",
+    "Prepared",
+    "prepare_for",
+    "prepare_schedule",
+    "read_torch_csv",
+    "recv_window",
+    "require_autograd",
+]
+
+# How many receives may be posted ahead of their place by default: each holds a buffer the size of
+# its message, so a bound keeps that memory independent of the number of microbatches. Measured on
+# 2 gloo ranks (benchmarks/runtime_vs_torch.py), 4 ahead was as fast as all of them at once.
+DEFAULT_RECV_AHEAD = 4
+
+
+def recv_window(value: int | None) -> int:
+    """The receive window: ``value``, else ``PIPETRAIN_RECV_AHEAD``, else :data:`DEFAULT_RECV_AHEAD`."""
+    if value is None:
+        env = os.environ.get("PIPETRAIN_RECV_AHEAD", "")
+        if not env:
+            return DEFAULT_RECV_AHEAD
+        try:
+            value = int(env)
+        except ValueError:
+            raise PipelineError(f"PIPETRAIN_RECV_AHEAD must be an integer >= 0, got {env!r}") from None
+    if value < 0:
+        raise PipelineError(f"recv_ahead (the receive window) must be >= 0, got {value}")
+    return value
+
+
+def read_torch_csv(filename: str, format: str, n_microbatches: int, where: str = "") -> Schedule:
+    """A schedule file for ``_load_csv``: torch's CSV ``format`` ("compute_only" or
+    "compute_comms", which must match whether it holds SEND/RECV), of ``n_microbatches``.
+    ``where`` prefixes the errors (the rank)."""
+    if format not in ("compute_only", "compute_comms"):
+        raise ValueError(f"format must be 'compute_only' or 'compute_comms', got {format!r}")
+    try:
+        schedule = Schedule.from_csv(filename)
+    except ScheduleError as err:
+        raise PipelineError(f"{where}{err}") from None
+    if (format == "compute_comms") != schedule.is_lowered:
+        has = "holds" if schedule.is_lowered else "has no"
+        raise PipelineError(
+            f"{where}{filename} {has} SEND/RECV actions; load it with "
+            f"format={'compute_comms' if schedule.is_lowered else 'compute_only'!r}"
+        )
+    if schedule.num_microbatches != n_microbatches:
+        raise PipelineError(
+            f"{where}{filename} is a schedule of {schedule.num_microbatches} microbatches, "
+            f"but this schedule was built for n_microbatches={n_microbatches}"
+        )
+    return schedule
+
+
+def prepare_schedule(schedule: Schedule, **lower_options: Any) -> Schedule:
+    """Validate (before any communication) and lower a compute-only schedule; check a lowered one."""
+    if not isinstance(schedule, Schedule):
+        raise PipelineError(f"expected a pipetrain.plan.Schedule, got {type(schedule).__name__}")
+    try:
+        if schedule.is_lowered:
+            schedule.validate()
+            return schedule
+        return schedule.lower(**lower_options)
+    except ScheduleError as err:
+        raise PipelineError(f"the schedule {schedule.name or ''} cannot run: {err}".replace("  ", " ")) from err
+
+
+def require_autograd(who: str) -> None:
+    """A training step under ``torch.no_grad()`` is refused, as torch does (``eval`` runs forward only)."""
+    if not torch.is_grad_enabled():
+        raise PipelineError(
+            f"{who} trains and needs autograd, but it was called under torch.no_grad(); call eval() to run forward only"
+        )
+
+
+class Prepared:
+    """A schedule ready to run: ``base`` (lowered, what ranks agree on), ``schedule`` (what runs:
+    ``base`` with receives moved early where asked) and each rank's compiled program."""
+
+    def __init__(self, base: Schedule, recv_ahead: int = 0) -> None:
+        self.base = base
+        try:
+            self.schedule = post_receives_early(base, recv_ahead) if recv_ahead else base
+        except ScheduleError as err:
+            raise PipelineError(str(err)) from None
+        self.recv_ahead = recv_ahead
+        self.agreed = False  # whether the ranks have checked they run the same schedule
+        self._programs: dict[int, RankProgram] = {}
+
+    def program(self, rank: int) -> RankProgram:
+        """``rank``'s compiled program (compiled once)."""
+        program = self._programs.get(rank)
+        if program is None:
+            program = self._programs[rank] = compile_program(self.schedule, rank)
+        return program
+
+    def forwards(self, lower_options: dict[str, Any]) -> Prepared:
+        """The forward-only schedule of the same order, for ``eval`` (FSDP gathers kept, no reduction)."""
+        options = {k: v for k, v in lower_options.items() if k in ("fsdp", "prefetch")}
+        return Prepared(prepare_schedule(forwards_only(self.base), **options), self.recv_ahead)
+
+
+def prepare_for(
+    schedule: Schedule, lower_options: dict[str, Any], stages: Sequence[PipelineStage], rank: int, recv_ahead: int
+) -> Prepared:
+    """``schedule`` lowered with ``lower_options``, with REDUCE_GRAD for data-parallel ``stages``."""
+    base = prepare_schedule(schedule, **lower_options)
+    try:
+        base = with_grad_reduction(base, stages, rank)
+    except ScheduleError as err:
+        raise PipelineError(f"rank {rank}: {err}") from None
+    return Prepared(base, recv_ahead)
