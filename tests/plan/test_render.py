@@ -97,3 +97,76 @@ def test_stacked_measured_and_simulated(tmp_path: Path) -> None:
     assert "measured" in text and "time (s)" in text and "time (cost-model units)" in text
     with pytest.raises(ValueError):
         render_timelines([], tmp_path / "none.png")
+
+
+def test_box_labels_name_stage_kind_and_microbatch() -> None:
+    from pipetrain.plan.render import box_labels
+
+    e = TimelineEvent(0, "12F3", "F", 12, 3, 0.0, 1.0)
+    assert box_labels(e) == ["12F3", "12\nF3", "3"]
+    pair = TimelineEvent(0, "(0F7;7B3)OVERLAP_F_B", "OVERLAP_F_B", 0, 7, 0.0, 3.0)
+    assert box_labels(pair) == ["0F7|7B3", "0F7\n7B3", "7|3"]
+
+
+def test_fit_label_prefers_the_whole_action() -> None:
+    from pipetrain.plan.render import fit_label
+
+    e = TimelineEvent(0, "12F3", "F", 12, 3, 0.0, 1.0)
+    assert fit_label(e, 1.0, 0.3, 8.0) == ("12F3", 8.0)  # wide box: one line
+    two = fit_label(e, 0.2, 0.3, 8.0)
+    assert two is not None and two[0] == "12\nF3"  # narrow, tall enough for two lines
+    assert fit_label(e, 0.2, 0.15, 8.0) == ("3", 8.0)  # too flat: the microbatch, stage left to the shade
+    assert fit_label(e, 0.01, 0.3, 8.0) is None
+
+
+def _drawn_labels(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every string drawn with Axes.text from now on (the box labels, the titles aside)."""
+    from matplotlib.axes import Axes
+
+    drawn: list[str] = []
+    original = Axes.text
+
+    def spy(self: Axes, x: float, y: float, s: str, *args: object, **kwargs: object) -> object:
+        drawn.append(s)
+        return original(self, x, y, s, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Axes, "text", spy)
+    return drawn
+
+
+@pytest.mark.parametrize(
+    ("name", "v", "costs", "rule"),
+    [
+        ("Interleaved1F1B", 4, Costs(f=1, b=2), "4th stage of a rank (rank r: stage r+12)"),
+        ("ZBVZeroBubble", 2, Costs(f=1, i=1, w=1), "2nd stage of a rank (rank r: stage 7-r)"),
+        ("DualPipeV", 2, Costs(f=1, i=1, w=1), "2nd stage of a rank (rank r: stage 7-r)"),
+    ],
+)
+def test_every_box_shows_its_stage_and_the_legend_every_shade(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, v: int, costs: Costs, rule: str
+) -> None:
+    timeline = simulate(build_schedule(name, 4, 10 if name == "DualPipeV" else 8, v), costs).timeline
+    drawn = _drawn_labels(monkeypatch)
+    out = tmp_path / "t.svg"
+    render_timeline(timeline, out)
+    compute = [e for e in timeline.events if e.kind in ("F", "B", "I", "W", "OVERLAP_F_B")]
+    expected = sorted(e.action.removesuffix("OVERLAP_F_B").strip("()").replace(";", "|") for e in compute)
+    assert sorted(s.replace("\n", "|" if "F" in s and "B" in s else "") for s in drawn[: len(compute)]) == expected
+    svg = out.read_text()
+    shades = v if name == "Interleaved1F1B" else 2
+    for k, nth in enumerate(("1st", "2nd", "3rd", "4th")[:shades]):
+        assert f"<!-- {nth} stage of a rank" in svg, k
+    assert rule in svg
+    for kind in (
+        ("F forward", "B backward") if name == "Interleaved1F1B" else ("F forward", "I input grad", "W weight grad")
+    ):
+        assert f"<!-- {kind} -->" in svg
+
+
+def test_one_stage_per_rank_needs_no_shade_legend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    timeline = simulate(build_schedule("1F1B", 4, 8), Costs(f=1, b=2)).timeline
+    drawn = _drawn_labels(monkeypatch)
+    out = tmp_path / "t.svg"
+    render_timeline(timeline, out)
+    assert "0F0" in drawn and "3B7" in drawn
+    assert "stage of a rank" not in out.read_text()

@@ -1,9 +1,12 @@
 """Timeline pictures (PNG/SVG through matplotlib) and a text grid aligned to time.
 
-One row per rank, one box per action coloured by kind (a darker shade for a rank's later
-stages, as in the Zero Bubble and DualPipe figures), the microbatch number inside a box when it
-fits, bubbles left empty, SEND/RECV in a thin lane under each row. Simulated and measured
-timelines draw the same way; several can be stacked on one time axis to compare them.
+One row per rank, one box per action coloured by kind, in one shade per stage of the rank (its
+1st, 2nd, ... stage, as in the Zero Bubble and DualPipe figures), the action (``2F0``: stage 2's
+forward of microbatch 0) inside a box when it fits (on two lines, ``2`` over ``F0``, when only
+that fits; the microbatch alone when not even that), bubbles left empty, SEND/RECV in a thin lane
+under each row. The legend names every kind and every shade drawn, with the stages each shade
+stands for. Simulated and measured timelines draw the same way; several can be stacked on one
+time axis to compare them.
 matplotlib is imported only inside the drawing functions, so planning works without it.
 """
 
@@ -41,6 +44,7 @@ _LEGEND = {
     "OVERLAP_F_B": "F&B overlapped",
 }
 _COMPUTE = frozenset({"F", "B", "I", "W", "OVERLAP_F_B"})
+_LEFT, _RIGHT = 0.07, 0.985  # the time axes' share of the figure's width
 _COMM = frozenset({"SEND_F", "RECV_F", "SEND_B", "RECV_B"})
 
 
@@ -67,11 +71,51 @@ def _chunks(timeline: Timeline) -> dict[tuple[int, int], int]:
     return {(r, s): k for r, stages in per_rank.items() for k, s in enumerate(sorted(stages))}
 
 
-def _label(e: TimelineEvent) -> str:
+def box_labels(e: TimelineEvent) -> list[str]:
+    """What a compute box may show, best first: the action, the action on two lines, the microbatch.
+
+    ``2F0`` (or ``2`` over ``F0``); an overlapped pair ``0F7|7B3`` (or one action per line). The
+    last resort, the microbatch alone (``0``, ``7|3``), leaves the stage to the shade and the legend.
+    """
     if e.kind == "OVERLAP_F_B":
-        inner = e.action[1 : e.action.rfind(")")]
-        return "|".join(part.lstrip("0123456789")[1:] or part for part in inner.split(";"))
-    return "" if e.microbatch is None else str(e.microbatch)
+        parts = e.action[1 : e.action.rfind(")")].split(";")
+        short = "|".join(part.lstrip("0123456789")[1:] or part for part in parts)
+        return ["|".join(parts), "\n".join(parts), short]
+    if e.microbatch is None:
+        return [e.action]
+    head = str(e.stage)
+    rest = e.action[len(head) :] if e.action.startswith(head) else f"{e.kind}{e.microbatch}"
+    return [e.action, f"{head}\n{rest}", str(e.microbatch)]
+
+
+# Advance widths in DejaVu Sans (matplotlib's default font), in ems; other characters ~0.64.
+_EM = {"W": 1.0, "I": 0.3, "|": 0.34, "F": 0.58, "B": 0.69, "\n": 0.0}
+
+
+def _text_size(text: str, fontsize: float) -> tuple[float, float]:
+    """(width, height) of ``text`` in inches at ``fontsize`` points: widest line, lines × 1.2 em."""
+    lines = text.split("\n")
+    widest = max(sum(_EM.get(c, 0.64) for c in line) for line in lines)
+    return widest * fontsize / 72, len(lines) * 1.2 * fontsize / 72
+
+
+def fit_label(e: TimelineEvent, width_in: float, height_in: float, fontsize: float) -> tuple[str, float] | None:
+    """The first of :func:`box_labels` that fits a box of ``width_in`` × ``height_in`` inches, and its size.
+
+    The action on one line, then on two, at ``fontsize`` or a little smaller; then either form
+    smaller still (not under 5.5 pt); the microbatch alone last.
+    """
+    normal, small = fontsize, max(5.5, 0.85 * fontsize)
+    tiny = max(5.5, 0.72 * fontsize)
+    labels = box_labels(e)
+    action, microbatch = labels[:2], labels[2:]
+    tries = [(text, size) for text in action for size in (normal, small)]
+    tries += [(text, tiny) for text in action] + [(text, size) for text in microbatch for size in (normal, small, tiny)]
+    for text, size in tries:
+        w, h = _text_size(text, size)
+        if w + 0.5 * size / 72 <= width_in and h <= height_in:
+            return text, size
+    return None
 
 
 def _unit_label(timeline: Timeline) -> str:
@@ -92,15 +136,18 @@ def _kinds(timeline: Timeline) -> set[str]:
     return out
 
 
-def _draw(ax: Any, timeline: Timeline, *, x_max: float, px_per_unit: float, fontsize: float) -> None:
-    """Draw one timeline into ``ax``."""
+def _draw(ax: Any, timeline: Timeline, *, x_max: float, fontsize: float) -> None:
+    """Draw one timeline into ``ax`` (whose place in the figure is already set)."""
     from matplotlib.patches import Rectangle
 
     t0 = timeline.start
     chunks = _chunks(timeline)
     has_comm = any(e.kind in _COMM for e in timeline.events)
     box_bottom, box_top = (0.30, 0.95) if has_comm else (0.08, 0.92)
-    char_px = fontsize * 0.62 * ax.figure.dpi / 72
+    fig_w, fig_h = ax.figure.get_size_inches()
+    where = ax.get_position()
+    in_per_unit = fig_w * where.width / x_max
+    box_h_in = fig_h * where.height / timeline.num_ranks * (box_top - box_bottom)
     for e in timeline.events:
         y = timeline.num_ranks - 1 - e.rank  # rank 0 on top
         start, width = e.start - t0, max(e.end - e.start, 0.0)
@@ -116,16 +163,17 @@ def _draw(ax: Any, timeline: Timeline, *, x_max: float, px_per_unit: float, font
                     linewidth=0.6,
                 )
             )
-            label = _label(e)
-            if label and width * px_per_unit >= char_px * (len(label) + 0.6):
+            fitted = fit_label(e, width * in_per_unit, box_h_in, fontsize)
+            if fitted is not None:
                 dark = chunks.get((e.rank, e.stage), 0) % 2 == 1 or e.kind == "OVERLAP_F_B"
                 ax.text(
                     start + width / 2,
                     y + (box_bottom + box_top) / 2,
-                    label,
+                    fitted[0],
                     ha="center",
                     va="center",
-                    fontsize=fontsize,
+                    fontsize=fitted[1],
+                    linespacing=1.0,
                     color="white" if dark else "#1A1A1A",
                     clip_on=True,
                 )
@@ -153,25 +201,70 @@ def _draw(ax: Any, timeline: Timeline, *, x_max: float, px_per_unit: float, font
         ax.set_title(timeline.title, fontsize=10.5, loc="left")
 
 
-def _most_compute_steps(timeline: Timeline) -> int:
-    counts: dict[int, int] = {}
-    for e in timeline.events:
-        if e.kind in _COMPUTE:
-            counts[e.rank] = counts.get(e.rank, 0) + 1
-    return max(counts.values(), default=1)
+def _default_width(timelines: Sequence[Timeline], spans: list[float], shared: bool) -> float:
+    """Inches: wide enough for the short boxes' two-line labels (``12`` over ``F3``), 10 to 24."""
+    need = 10.0
+    for t, span in zip(timelines, spans, strict=True):
+        durations = sorted(e.end - e.start for e in t.events if e.kind in _COMPUTE and e.end > e.start)
+        if not durations:
+            continue
+        short = durations[len(durations) // 10]  # most boxes, not a stray tiny one
+        digits = len(str(max(e.stage for e in t.events)))
+        label_in = (0.64 * max(digits, 2) + 0.5) * 7.0 / 72 + 0.02  # "12" over "F3" at 7 pt, with margins
+        need = max(need, (max(spans) if shared else span) / short * label_in / (_RIGHT - _LEFT) + 0.1)
+    return min(need, 24.0)
 
 
-def _legend_handles(kinds: set[str], multi_stage: bool) -> list[Any]:
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
+def _shade_rule(timeline: Timeline, chunk: int) -> str:
+    """Which stage the ``chunk``-th shade is on each rank: ``r+4``, ``7-r``, or the list by rank."""
+    by_rank = {r: s for (r, s), k in _chunks(timeline).items() if k == chunk}
+    if not by_rank:
+        return ""
+    for sign, word in ((1, "r"), (-1, "-r")):
+        offsets = {s - sign * r for r, s in by_rank.items()}
+        if len(offsets) == 1 and len(by_rank) > 1:
+            c = offsets.pop()
+            if sign == 1:
+                return "r" if c == 0 else f"r+{c}" if c > 0 else f"r-{-c}"
+            return f"{c}{word}"
+    return "/".join(f"{by_rank[r]}" for r in sorted(by_rank)) + (" on ranks " + "/".join(map(str, sorted(by_rank))))
+
+
+def shade_legend(timelines: Sequence[Timeline]) -> list[tuple[int, str]]:
+    """(shade, legend text) for each shade drawn: which stage of its rank, and which stage that is."""
+    used = sorted({k for t in timelines for k in _chunks(t).values()})
+    if used == [0]:
+        return []
+    out = []
+    for k in used:
+        rules = {_shade_rule(t, k) for t in timelines} - {""}
+        text = f"{_ordinal(k + 1)} stage of a rank"
+        if len(rules) == 1:
+            text += f" (rank r: stage {rules.pop()})"
+        out.append((k, text))
+    return out
+
+
+def _legend_handles(kinds: set[str], shades: list[tuple[int, str]]) -> list[Any]:
     from matplotlib.patches import Patch
 
-    handles = [Patch(facecolor=KIND_COLOURS[k], label=label) for k, label in _LEGEND.items() if k in kinds]
-    if multi_stage:
-        handles.append(Patch(facecolor=_shade(KIND_COLOURS["F"], 1), label="darker: rank's 2nd stage"))
+    compute = [k for k in _LEGEND if k in kinds]
+    handles: list[Any] = []
+    for kind in compute:  # each kind in every shade drawn
+        tones = [_shade(KIND_COLOURS[kind], k) for k, _ in shades] or [KIND_COLOURS[kind]]
+        handles.append((tuple(Patch(facecolor=c, edgecolor="white") for c in tones), _LEGEND[kind]))
+    for k, text in shades:  # each shade in every kind drawn
+        tones = [_shade(KIND_COLOURS[kind], k) for kind in compute] or [_shade(KIND_COLOURS["F"], k)]
+        handles.append((tuple(Patch(facecolor=c, edgecolor="white") for c in tones), text))
     if "comm" in kinds:
-        handles.append(Patch(facecolor=KIND_COLOURS["SEND_F"], alpha=0.6, label="SEND / RECV in flight"))
+        handles.append(((Patch(facecolor=KIND_COLOURS["SEND_F"], alpha=0.6),), "SEND / RECV in flight"))
     if "other" in kinds:
-        handles.append(Patch(facecolor="#7F7F7F", label="UNSHARD / RESHARD / REDUCE_GRAD"))
-    handles.append(Patch(facecolor="white", edgecolor="#BBBBBB", label="idle (bubble)"))
+        handles.append(((Patch(facecolor="#7F7F7F"),), "UNSHARD / RESHARD / REDUCE_GRAD"))
+    handles.append(((Patch(facecolor="white", edgecolor="#BBBBBB"),), "idle (bubble)"))
     return handles
 
 
@@ -221,29 +314,39 @@ def render_timelines(
 
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
+    from matplotlib.legend_handler import HandlerTuple
 
     spans = [max(t.makespan, 1e-12) for t in timelines]
-    most_steps = max(_most_compute_steps(t) for t in timelines)
-    fig_w = width if width is not None else min(max(10.0, 0.2 * most_steps + 2.5), 20.0)
+    fig_w = width if width is not None else _default_width(timelines, spans, share_time_axis)
     heights = [0.42 * t.num_ranks + 0.9 for t in timelines]
-    multi_stage = any(k > 0 for t in timelines for k in _chunks(t).values())
-    handles = _legend_handles(set().union(*(_kinds(t) for t in timelines)), multi_stage)
-    ncol = min(len(handles), max(3, int(fig_w / 2.1)))
+    shades = shade_legend(timelines)
+    handles = _legend_handles(set().union(*(_kinds(t) for t in timelines)), shades)
+    widest = max(len(h[0]) for h in handles)
+    entry_in = max(2.1, 0.09 * max(len(h[1]) for h in handles) + 0.2 * widest)
+    ncol = min(len(handles), max(2, int(fig_w / entry_in)))
     legend_rows = math.ceil(len(handles) / ncol)
     bottom = 0.55 + 0.22 * legend_rows
     fig_h = sum(heights) + 0.45 + bottom
     fig, axes = plt.subplots(
         len(timelines), 1, figsize=(fig_w, fig_h), squeeze=False, gridspec_kw={"height_ratios": heights}
     )
-    left, right = 0.07, 0.985
+    fig.subplots_adjust(
+        left=_LEFT, right=_RIGHT, top=1 - 0.45 / fig_h, bottom=bottom / fig_h, hspace=0.9 / max(heights)
+    )
     longest = max(spans)
     for ax, t, span in zip(axes[:, 0], timelines, spans, strict=True):
-        x_max = longest if share_time_axis else span
-        px_per_unit = fig_w * (right - left) * dpi / x_max
         fontsize = 8.0 if t.num_ranks <= 16 else 6.5
-        _draw(ax, t, x_max=x_max, px_per_unit=px_per_unit, fontsize=fontsize)
-    fig.subplots_adjust(left=left, right=right, top=1 - 0.45 / fig_h, bottom=bottom / fig_h, hspace=0.9 / max(heights))
-    fig.legend(handles=handles, loc="lower center", ncol=ncol, frameon=False, fontsize=8.5)
+        _draw(ax, t, x_max=longest if share_time_axis else span, fontsize=fontsize)
+    fig.legend(
+        handles=[h[0] for h in handles],
+        labels=[h[1] for h in handles],
+        handler_map={tuple: HandlerTuple(ndivide=None, pad=0)},
+        handlelength=max(2.0, 0.9 * widest),
+        loc="lower center",
+        ncol=ncol,
+        frameon=False,
+        fontsize=8.5,
+    )
     try:
         fig.savefig(target, dpi=dpi, format=fmt)
     finally:
