@@ -214,3 +214,37 @@ def test_a_stray_largest_microbatch_names_its_action(capsys: pytest.CaptureFixtu
         f"{path}: rank 0: stage 0 microbatch 4 has no forward 0F4 (the schedule has 5 microbatches because "
         "rank 1, step 8, action 1F4 names microbatch 4)"
     ) in err
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    import pipetrain
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"pipetrain {pipetrain.__version__}"
+
+
+def _commands() -> dict[str, str]:
+    """Each sub-command and its --help text."""
+    import argparse
+
+    from pipetrain.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return {name: p.format_help() for name, p in sub.choices.items()}
+
+
+def test_every_command_has_a_description_line() -> None:
+    for name, text in _commands().items():
+        # argparse puts the description after the usage block, before the arguments
+        body = text.split("\n\n")
+        assert len(body) > 2 and not body[1].lstrip().startswith(("positional arguments", "options")), name
+        assert body[1].strip()[0].isupper(), (name, body[1])
+
+
+def test_the_readme_lists_every_command() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    for name in _commands():
+        assert f"pipetrain {name}" in readme, f"README never shows `pipetrain {name}`"
