@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 import torch
-from _dist import run_ranks
-from _models import assert_grads_equal
 from torch import nn
 
 from pipetrain import LocalPipeline, PipelineStage, get_schedule_class
 from pipetrain.microbatch import REPLICATE
 from pipetrain.runtime.transport.wire import _fingerprint, _same, layout_of, rebuild
+from support.dist import run_ranks
+from support.models import assert_grads_equal
 
 # ------------------------------------------------------------------------------- layouts
 

@@ -7,9 +7,10 @@ import copy
 
 import pytest
 import torch
-from _dist import run_ranks
-from _models import make_batch, mlp_layers
 from torch import nn
+
+from support.dist import run_ranks
+from support.models import make_batch, mlp_layers
 
 pytestmark = pytest.mark.slow
 

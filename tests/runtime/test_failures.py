@@ -7,8 +7,9 @@ from typing import Any
 
 import pytest
 import torch
-from _dist import run_ranks
 from torch import nn
+
+from support.dist import run_ranks
 
 pytestmark = pytest.mark.slow
 

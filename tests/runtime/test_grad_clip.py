@@ -7,12 +7,12 @@ import math
 
 import pytest
 import torch
-from _dist import run_ranks
-from _models import assert_grads_equal, make_batch, mlp_layers, reference
 from torch import nn
 
 from pipetrain import clip_grad_norm_, grad_norm
 from pipetrain.errors import PipelineError
+from support.dist import run_ranks
+from support.models import assert_grads_equal, make_batch, mlp_layers, reference
 
 
 def _clip_cases(rank: int, world: int) -> list[str]:

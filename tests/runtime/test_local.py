@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 import torch
-from _models import make_batch, make_layers, reference, stages_per_rank
 from torch import nn
 
 from pipetrain import LocalPipeline
 from pipetrain.errors import PipelineError
 from pipetrain.plan import Schedule, build_schedule, schedule_names
+from support.models import make_batch, make_layers, reference, stages_per_rank
 
 
 @pytest.mark.parametrize("name", schedule_names())

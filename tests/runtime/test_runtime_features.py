@@ -9,9 +9,10 @@ from typing import Any
 
 import pytest
 import torch
-from _dist import run_ranks
-from _models import assert_grads_equal
 from torch import nn
+
+from support.dist import run_ranks
+from support.models import assert_grads_equal
 
 pytestmark = pytest.mark.slow
 WIDTH = 6

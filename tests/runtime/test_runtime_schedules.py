@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _dist import run_ranks
-from _models import make_batch, make_layers, reference, stages_per_rank
+
+from support.dist import run_ranks
+from support.models import make_batch, make_layers, reference, stages_per_rank
 
 pytestmark = pytest.mark.slow
 

@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 import torch
-from _dist import run_ranks
-from _models import assert_grads_equal
 from torch import nn
 
 from pipetrain import REPLICATE, LocalPipeline, TensorChunkSpec
 from pipetrain.errors import PipelineError
+from support.dist import run_ranks
+from support.models import assert_grads_equal
 
 WIDTH = 4
 NUM_STAGES = 4

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from _dist import run_ranks
 from torch import nn
+
+from support.dist import run_ranks
 
 pytestmark = pytest.mark.slow
 WIDTH = 4

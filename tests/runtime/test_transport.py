@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _dist import run_ranks
+
+from support.dist import run_ranks
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,6 @@ from typing import Any
 from pipetrain.cli.common import (
     OUTPUT_NAMING,
     add_size_arguments,
-    is_schedule_file,
     output_path,
     require,
     schedule_from_args,
@@ -18,7 +17,7 @@ from pipetrain.cli.common import (
 from pipetrain.plan.costs import Costs
 from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.generators import build_schedule, schedule_names
-from pipetrain.plan.schedule import Schedule
+from pipetrain.plan.schedule import Schedule, is_schedule_file
 from pipetrain.plan.simulate import SimResult, simulate
 
 _COSTS_HELP = (

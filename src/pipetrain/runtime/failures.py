@@ -96,7 +96,7 @@ _AGREEMENT: dict[str, list[int]] = {}  # per group namespace: how many first ste
 def _neighbours(schedule: Schedule, rank: int) -> list[int]:
     """The ranks that exchange messages with ``rank`` under ``schedule`` (sorted)."""
     where = schedule.stage_to_rank
-    out = set()
+    out: set[int] = set()
     for s, r in where.items():
         if r == rank:
             out.update(where[t] for t in (s - 1, s + 1) if t in where)

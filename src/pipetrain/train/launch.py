@@ -104,7 +104,8 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any) -> None:
     # torch logs a warning per surviving process it stops after a failure; the error says enough.
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     try:
-        start_processes(_child, args=(fn, nprocs, port, args), nprocs=nprocs, join=True, start_method="spawn")
+        # torch leaves start_processes unannotated
+        start_processes(_child, args=(fn, nprocs, port, args), nprocs=nprocs, join=True, start_method="spawn")  # type: ignore[no-untyped-call]
     except ProcessRaisedException as err:
         raise PipelineError(f"rank {err.error_index} failed: {_last_line(str(err))}") from None
     except ProcessExitedException as err:

@@ -269,7 +269,7 @@ def reference_losses(
         y = y.to(device)
         chunks = list(zip(torch.tensor_split(logits, schedule_mb), torch.tensor_split(y, schedule_mb), strict=True))
         loss = torch.stack([lm_loss(lo, ta) for lo, ta in chunks if ta.numel()]).mean()
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # torch's stubs leave Tensor.backward untyped
         if cfg.clip_grad_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
             if grad_norms is not None:

@@ -50,7 +50,8 @@ class Embedding(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(idx.shape[1], device=idx.device)
-        return self.tokens(idx) + self.positions(pos)
+        out: torch.Tensor = self.tokens(idx) + self.positions(pos)
+        return out
 
 
 class Block(nn.Module):
@@ -77,7 +78,8 @@ class Block(nn.Module):
         q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
         att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
-        return x + self.mlp(self.ln2(x))
+        out: torch.Tensor = x + self.mlp(self.ln2(x))
+        return out
 
 
 class Head(nn.Module):
@@ -89,7 +91,8 @@ class Head(nn.Module):
         self.out = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.ln(x))
+        logits: torch.Tensor = self.out(self.ln(x))
+        return logits
 
 
 class GPT(nn.Sequential):

@@ -23,19 +23,8 @@ part. The price: a message is waited for at its RECV rather than right before it
 default the follow-ups use tag 1 instead, so headers are read lazily, right before the data is
 needed, in posting order per peer (gloo matches per tag, first in, first out).
 
-Why reading the headers right after posting cannot deadlock, for schedules made by
-``Schedule.lower()`` (see ``plan/passes/communication.py``): run the compute in unit time. A
-message produced by an action ending at time T is sent right after that action and received in
-the consumer rank's gap holding T, i.e. after its compute that started before T and before its
-compute starting at T or later. So the receives of a gap, whose headers are read there, carry
-messages no later than the start S of the rank's next compute, and reading them delays only that
-compute and what follows it, which ends after S: no message of time <= S depends on it. By
-induction on T every message of time T is posted by its sender (its producer waited only for
-messages of earlier times) and arrives. Under NCCL's stricter stream model (docs/semantics.md) the
-same holds: the sends of a gap were produced at the start of the gap's times, so the peer's
-receives of them are in groups at or before the peer's groups holding the messages the gap
-receives, and the follow-ups, posted next on the receiver's stream, are the only thing a sender's
-group waits for beyond the notice.
+Reading the headers right after posting cannot deadlock, for schedules made by ``Schedule.lower()``:
+the proof is in docs/semantics.md ("Reading headers right after posting").
 
 ``DistTransport`` uses ``torch.distributed`` point-to-point operations (on a gloo group posted
 directly, elsewhere as ``batch_isend_irecv`` batches of buffers on the stage's device); sends

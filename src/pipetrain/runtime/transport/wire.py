@@ -8,7 +8,7 @@ into one buffer; ``_unpack`` and ``rebuild`` reverse that. See ``p2p.py`` for ho
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_dumps, tr
 
 __all__ = ["Layout", "RecvHandle", "RecvItem", "SendItem", "layout_of", "rebuild"]
 
-Key = Hashable
+Key = tuple[str, int, int]  # (direction "F" or "B", source stage, microbatch)
 _HEADER = 8  # int64 words: [flag, layout bytes, payload bytes, 0...]; 64 bytes keep tensors aligned
 _SAME, _NEW, _FAIL = 0, 1, 2
 _TAG_STEADY, _TAG_NEW = 0, 1
