@@ -115,3 +115,26 @@ def test_an_optional_package_missing_deep_inside_a_command_names_its_extra() -> 
     found = missing_extra(ModuleNotFoundError("x", name="torch"), "train")
     assert found is not None and "pipetrain[train]" in str(found)
     assert missing_extra(ModuleNotFoundError("x", name="numpyy"), "simulate") is None  # not ours: re-raised
+
+
+def test_drawing_from_python_without_matplotlib_names_the_extra(tmp_path: Path) -> None:
+    proc = _run(
+        f"""
+        class _NoPlot:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] == "matplotlib":
+                    raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+                return None
+        sys.meta_path.insert(0, _NoPlot())
+        from pipetrain.plan import Costs, build_schedule, simulate
+        from pipetrain.plan.render import render_timeline
+        timeline = simulate(build_schedule("1F1B", 2, 2), Costs()).timeline
+        try:
+            render_timeline(timeline, {str(tmp_path / "t.png")!r})
+        except ModuleNotFoundError as err:
+            assert err.name == "matplotlib", err.name
+            print(err)
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "pip install 'pipetrain[plot]'" in proc.stdout

@@ -202,17 +202,17 @@ def _draw(ax: Any, timeline: Timeline, *, x_max: float, fontsize: float) -> None
 
 
 def _default_width(timelines: Sequence[Timeline], spans: list[float], shared: bool) -> float:
-    """Inches: wide enough for the short boxes' two-line labels (``12`` over ``F3``), 10 to 24."""
+    """Inches: wide enough for most boxes' two-line labels (``12`` over ``F3``), 10 to 22."""
     need = 10.0
     for t, span in zip(timelines, spans, strict=True):
         durations = sorted(e.end - e.start for e in t.events if e.kind in _COMPUTE and e.end > e.start)
         if not durations:
             continue
-        short = durations[len(durations) // 10]  # most boxes, not a stray tiny one
+        short = durations[len(durations) // 4]  # most boxes, not the tiny ones of a measured step
         digits = len(str(max(e.stage for e in t.events)))
         label_in = (0.64 * max(digits, 2) + 0.5) * 7.0 / 72 + 0.02  # "12" over "F3" at 7 pt, with margins
         need = max(need, (max(spans) if shared else span) / short * label_in / (_RIGHT - _LEFT) + 0.1)
-    return min(need, 24.0)
+    return min(need, 22.0)
 
 
 def _ordinal(n: int) -> str:
@@ -274,9 +274,18 @@ def picture_target(path: str | os.PathLike[str], format: str | None = None) -> t
     ``format`` (png, svg, pdf, ...) wins when given and the file is written at ``path`` as it is;
     otherwise the extension decides, and a name without one gets ".png" (matplotlib's own rule,
     made visible so callers can say which file they wrote). A format matplotlib cannot write is a
-    ScheduleError naming the file, not a traceback from inside matplotlib.
+    ScheduleError naming the file, not a traceback from inside matplotlib; matplotlib missing is a
+    ModuleNotFoundError that says which extra installs it.
     """
-    from matplotlib.backend_bases import FigureCanvasBase
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ModuleNotFoundError as err:
+        if (err.name or "").split(".")[0] != "matplotlib":
+            raise
+        raise ModuleNotFoundError(
+            "timeline pictures need matplotlib, which is not installed: pip install 'pipetrain[plot]'",
+            name="matplotlib",
+        ) from None
 
     name = os.fspath(path)
     ext = os.path.splitext(name)[1][1:].lower()
