@@ -171,3 +171,22 @@ def test_problems_found_before_training_not_after(capsys: pytest.CaptureFixture[
     broken.write_text("0F0,0F1,0B0\n1F0,1B0,1F1,1B1\n")
     assert main(["train", "--schedule", str(broken), "--steps", "1"]) == 1
     assert f"{broken}: rank 0, step 1, action 0F1: has no backward" in capsys.readouterr().err
+
+
+def test_without_matplotlib_train_says_it_draws_no_pictures(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    import pipetrain.cli.train_cmd as train_cmd
+    import pipetrain.train.launch as launch
+
+    started: list[int] = []
+    monkeypatch.setattr(launch, "spawn", lambda fn, ranks, cfg: started.append(ranks))
+    monkeypatch.setattr(train_cmd, "_importable", lambda module: module != "matplotlib")
+    assert main(["train", "--steps", "1", "--out", str(tmp_path / "run")]) == 0
+    assert started == [2]
+    assert "no timeline pictures are drawn" in capsys.readouterr().err
+    assert main(["train", "--schedule", "NoSuchSchedule"]) == 1  # nothing to train: no note, just the error
+    assert "timeline pictures" not in capsys.readouterr().err
+    monkeypatch.setattr(train_cmd, "_importable", lambda module: True)
+    assert main(["train", "--steps", "1", "--out", str(tmp_path / "run")]) == 0
+    assert "timeline pictures" not in capsys.readouterr().err

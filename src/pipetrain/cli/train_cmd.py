@@ -145,13 +145,9 @@ def _train(args: argparse.Namespace) -> int:
         raise PipelineError(f"--clip-grad-norm must be > 0, got {args.clip_grad_norm}")
     if args.batch_size < microbatches:
         raise PipelineError(f"--batch-size {args.batch_size} is smaller than {mb_source}")
-    if (env is None or env.rank == 0) and not _importable("matplotlib"):
-        print(
-            "pipetrain train: matplotlib is not installed, so no timeline pictures are drawn "
-            "(traces and the summary still are): pip install 'pipetrain[train]'",
-            file=sys.stderr,
-        )
     if env is not None:
+        if env.rank == 0:
+            _say_if_no_pictures()
         run_rank(env, cfg)
         return 0
     # Problems every rank would hit are reported once, before any process starts.
@@ -163,8 +159,18 @@ def _train(args: argparse.Namespace) -> int:
             raise PipelineError(
                 f"--device cuda with {cfg.ranks} ranks needs {cfg.ranks} GPUs, {torch.cuda.device_count()} visible"
             )
+    _say_if_no_pictures()
     spawn(run_rank, cfg.ranks, cfg)
     return 0
+
+
+def _say_if_no_pictures() -> None:
+    if not _importable("matplotlib"):
+        print(
+            "pipetrain train: matplotlib is not installed, so no timeline pictures are drawn "
+            "(traces and the summary still are): pip install 'pipetrain[train]'",
+            file=sys.stderr,
+        )
 
 
 def _importable(module: str) -> bool:
