@@ -138,8 +138,10 @@ def pipeline(
 
     Stages are cut at each ``pipe_split()`` the forward reaches and at each module named in
     ``split_spec`` (``SplitPoint.BEGINNING``: before its forward, ``END``: after). Shapes are
-    fixed by the example microbatch, as with ``torch.export``: run every microbatch at its size.
-    The stage modules share the model's parameters (no copies).
+    fixed by the example microbatch, as with ``torch.export``: run every microbatch at its size;
+    so is the mode (dropout, batch norm): trace in the mode you will run. The stage modules share
+    the model's parameters (no copies); a parameter used by two stages (tied embeddings) is in
+    both, and its gradient is split between them.
     """
     if not isinstance(module, torch.nn.Module):
         raise PipelineError(f"pipeline: module must be a torch.nn.Module, got {type(module).__name__}")
@@ -172,9 +174,8 @@ def _as_split_point(name: str, point: object) -> SplitPoint:
     if isinstance(point, SplitPoint):
         return point
     # torch's own SplitPoint (an Accelerate user switching imports halfway) means the same.
-    member = getattr(point, "name", None)
-    if isinstance(point, enum.Enum) and member in SplitPoint.__members__:
-        return SplitPoint[member]
+    if isinstance(point, enum.Enum) and point.name in SplitPoint.__members__:
+        return SplitPoint[point.name]
     raise PipelineError(f"pipeline: split_spec[{name!r}] is {point!r}; use SplitPoint.BEGINNING or SplitPoint.END")
 
 
@@ -224,12 +225,12 @@ def _marked(module: torch.nn.Module, spec: dict[str, SplitPoint], reached: dict[
             sub = module.get_submodule(name)
             had = "forward" in sub.__dict__
             patched.append((sub, had, sub.__dict__.get("forward")))
-            sub.forward = wrap(name, point, sub.forward)  # type: ignore[method-assign]
+            sub.forward = wrap(name, point, sub.forward)
         yield
     finally:
         for sub, had, old in reversed(patched):
             if had:
-                sub.forward = old  # type: ignore[method-assign]
+                sub.forward = old
             else:
                 del sub.forward
 
@@ -279,6 +280,7 @@ def _split(model: torch.nn.Module, flat: fx.GraphModule, spec: dict[str, SplitPo
     carries = _carries(nodes, stage_of, num_stages)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     output = nodes[-1]
+    state_keys = set(model.state_dict().keys())
     stages: dict[str, torch.nn.Module] = {}
     for s in range(num_stages):
         g = fx.Graph()
@@ -304,7 +306,7 @@ def _split(model: torch.nn.Module, flat: fx.GraphModule, spec: dict[str, SplitPo
             names = [p.name for p in g.nodes if p.op == "placeholder"]
             g._codegen = _PyTreeCodeGen(_PyTreeInfo(names, pytree.tree_structure(list(names)), info.out_spec))
         stage = fx.GraphModule(flat, g, class_name=f"PipeStage{s}")
-        _keep_model_state_keys(model, stage)
+        _keep_model_state_keys(state_keys, stage)
         stages[f"submod_{s}"] = stage
     return Pipe(_top_graph(stages, placeholders, carries, info), num_stages)
 
@@ -346,15 +348,13 @@ def _passed(g: fx.Graph, value: fx.Node, is_input: bool) -> fx.Node:
     return value
 
 
-def _keep_model_state_keys(model: torch.nn.Module, stage: torch.nn.Module) -> None:
+def _keep_model_state_keys(keys: set[str], stage: torch.nn.Module) -> None:
     """Buffers that are not in the model's ``state_dict`` (non-persistent ones, traced constants)
     stay out of the stage's, so stage checkpoints hold exactly the model's keys."""
-    keys = set(model.state_dict().keys())
     for name, buf in list(stage.named_buffers()):
         if name not in keys:
             owner_name, _, field = name.rpartition(".")
-            owner = stage.get_submodule(owner_name)
-            owner.register_buffer(field, buf, persistent=False)
+            stage.get_submodule(owner_name).register_buffer(field, buf, persistent=False)
 
 
 def _top_graph(
@@ -447,7 +447,7 @@ def _chain_link(stage_module: torch.nn.Module, stage_index: int, top: fx.Graph, 
         if n is call:
             env[n] = _inline(g, stage_module.graph, n, env)
         elif n.op == "call_function" and n.target is operator.getitem and not isinstance(env[n.args[0]], fx.Node):
-            env[n] = env[n.args[0]][n.args[1]]  # type: ignore[index]
+            env[n] = env[n.args[0]][n.args[1]]
         else:
             env[n] = g.node_copy(n, lambda a: env[a])
     if stage_index == num_stages - 1:

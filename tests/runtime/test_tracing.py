@@ -149,8 +149,15 @@ def test_pipe_runs_the_model_and_keeps_its_names() -> None:
     assert pipe2.num_stages == 2
     assert [n for n, _ in pipe2.get_stage_module(0).named_parameters()] == ["blocks.0.0.weight", "blocks.0.0.bias"]
     # END splits after the module; a torch-style SplitPoint given by name is the same point.
-    pipe3 = pipeline(model, (x[:MB],), split_spec={"blocks.0": SplitPoint.END})
-    assert [n for n, _ in pipe3.get_stage_module(0).named_parameters()] == ["blocks.0.0.weight", "blocks.0.0.bias"]
+    from torch.distributed.pipelining import SplitPoint as TorchSplitPoint
+
+    for point in (SplitPoint.END, TorchSplitPoint.END):
+        pipe3 = pipeline(model, (x[:MB],), split_spec={"blocks.0": point})
+        assert [n for n, _ in pipe3.get_stage_module(0).named_parameters()] == ["blocks.0.0.weight", "blocks.0.0.bias"]
+    # No split point: one stage, the whole model.
+    whole = pipeline(model, (x[:MB],), {"mask": mask[:MB]})
+    assert whole.num_stages == 1
+    torch.testing.assert_close(whole.get_stage_module(0)(x[:MB], mask=mask[:MB]), model(x[:MB], mask=mask[:MB]))
 
 
 def test_clear_errors_for_bad_input() -> None:
@@ -167,6 +174,8 @@ def test_clear_errors_for_bad_input() -> None:
         pipeline(model, (x[:MB],), split_spec=split_at(""))
     with pytest.raises(PipelineError, match=r"stage 0 of 2 would compute nothing"):
         pipeline(model, (x[:MB],), split_spec=split_at("blocks.0"))
+    with pytest.raises(PipelineError, match=r"mb_kwargs must be a dict of keyword inputs, got tuple"):
+        pipeline(model, (x[:MB],), (x[:MB],))  # type: ignore[arg-type]
     with pytest.raises(PipelineError, match=r"module must be a torch.nn.Module, got function"):
         pipeline(lambda t: t, (x[:MB],))  # type: ignore[arg-type]
 
