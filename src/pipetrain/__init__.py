@@ -50,6 +50,10 @@ __all__ = ["__version__", *_LAZY]
 
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
+    if module is None and name.startswith("Schedule"):
+        module = "pipetrain.schedules"  # the class of a schedule family registered later (schedules.py)
+        if not hasattr(importlib.import_module(module), name):
+            module = None
     if module is None:
         raise AttributeError(f"module 'pipetrain' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from pipetrain.errors import PipelineError
 from pipetrain.plan import ScheduleError, build_schedule
+from pipetrain.plan.generators import ScheduleFamily, family, schedule_names
 from pipetrain.runtime import LossFn, PipelineScheduleRuntime, announce_failure, read_torch_csv
 from pipetrain.stage import PipelineStage
 
@@ -310,26 +311,48 @@ class ScheduleForwardOnly(PipelineScheduleMulti):
     __init__ = _NamedSchedule.__init__  # torch's order for the concrete classes
 
 
-_CLASSES: dict[str, type[PipelineScheduleRuntime]] = {}
-for _cls in (
-    ScheduleGPipe,
-    Schedule1F1B,
-    ScheduleZBH1,
-    ScheduleZBH2,
-    ScheduleInterleaved1F1B,
-    ScheduleLoopedBFS,
-    ScheduleInterleavedZeroBubble,
-    ScheduleZBVZeroBubble,
-    ScheduleDualPipeV,
-    ScheduleForwardOnly,
-):
-    _CLASSES[_cls.schedule_name.lower()] = _cls
-    _CLASSES[_cls.__name__.lower()] = _cls
-_CLASSES["flexibleinterleaved1f1b"] = ScheduleInterleaved1F1B
-_CLASSES["scheduleflexibleinterleaved1f1b"] = ScheduleInterleaved1F1B
-_CLASSES["pipelineschedulesingle"] = PipelineScheduleSingle
-_CLASSES["pipelineschedulemulti"] = PipelineScheduleMulti
-_CLASSES["pipelineScheduleRuntime".lower()] = PipelineScheduleRuntime
+# torch's own names beyond the families' (the base classes, the runtime, older aliases).
+_CLASSES: dict[str, type[PipelineScheduleRuntime]] = {
+    "pipelineschedulesingle": PipelineScheduleSingle,
+    "pipelineschedulemulti": PipelineScheduleMulti,
+    "pipelineScheduleRuntime".lower(): PipelineScheduleRuntime,
+}
+
+
+def _class_of(fam: ScheduleFamily) -> type[PipelineScheduleRuntime]:
+    """The schedule class of a registered family: the one defined above under its class name,
+    else one made here (single-stage when the family runs one stage per rank), so that a new
+    schedule needs only its generator module."""
+    cls = _CLASSES.get(fam.class_name.lower())
+    if cls is not None:
+        return cls
+    defined = globals().get(fam.class_name)
+    if isinstance(defined, type) and issubclass(defined, _NamedSchedule):
+        cls = defined
+    else:
+        base = PipelineScheduleSingle if fam.stages_per_rank == 1 else PipelineScheduleMulti
+        body: dict[str, Any] = {"schedule_name": fam.name, "__module__": __name__}
+        if base is PipelineScheduleMulti:
+            body["__init__"] = _NamedSchedule.__init__  # torch's order for the concrete classes
+        cls = type(fam.class_name, (base,), body)
+        globals()[fam.class_name] = cls
+    for key in (fam.name, *fam.aliases, fam.class_name, *(f"Schedule{a}" for a in fam.aliases)):
+        _CLASSES[key.lower()] = cls
+    return cls
+
+
+for _name in schedule_names():
+    _class_of(family(_name))
+
+
+def __getattr__(name: str) -> Any:
+    """``Schedule<Name>`` of a family registered after this module was imported."""
+    if name.startswith("Schedule"):
+        for known in schedule_names():
+            fam = family(known)
+            if fam.class_name == name:
+                return _class_of(fam)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def get_schedule_class(schedule_name: str) -> type[PipelineScheduleRuntime]:
@@ -337,7 +360,14 @@ def get_schedule_class(schedule_name: str) -> type[PipelineScheduleRuntime]:
     if not isinstance(schedule_name, str):
         raise ValueError(f"a schedule name must be a string, not {type(schedule_name).__name__}")
     cls = _CLASSES.get(schedule_name.strip().lower())
-    if cls is None:
-        known = sorted({str(getattr(c, "schedule_name", "")) for c in _CLASSES.values()} - {""})
-        raise ValueError(f"unknown schedule {schedule_name!r}; known: {', '.join(known)}")
-    return cls
+    if cls is not None:
+        return cls
+    try:
+        return _class_of(family(schedule_name))  # a family registered since
+    except ScheduleError:
+        pass
+    key = schedule_name.strip().lower()
+    for known in schedule_names():
+        if family(known).class_name.lower() == key:
+            return _class_of(family(known))
+    raise ValueError(f"unknown schedule {schedule_name!r}; known: {', '.join(sorted(schedule_names()))}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 def test_schedule_classes_take_torchs_arguments_in_torchs_order() -> None:
     """A call written for torch.distributed.pipelining, positional arguments included, means the
@@ -73,3 +75,32 @@ def test_errors_users_are_told_to_catch_import_from_the_top() -> None:
 
     assert ScheduleError is PlanScheduleError
     assert issubclass(PipelineError, RuntimeError)
+
+
+def test_a_registered_family_gets_its_schedule_class(monkeypatch: Any) -> None:
+    """A new schedule is one generator module: its class comes from the registry."""
+    import pipetrain
+    import pipetrain.schedules as schedules
+    from pipetrain.plan.generators import ScheduleFamily, _registry, build_schedule, register
+
+    monkeypatch.setattr(_registry, "_FAMILIES", dict(_registry._FAMILIES))
+    monkeypatch.setattr(_registry, "_LOOKUP", dict(_registry._LOOKUP))
+    monkeypatch.setattr(schedules, "_CLASSES", dict(schedules._CLASSES))
+
+    def build(p: int, m: int, v: int | None) -> Any:
+        return build_schedule("GPipe", p, m, v)
+
+    register(ScheduleFamily("TestOnlyOne", build, placement="loop", split_backward=False, stages_per_rank=1))
+    register(ScheduleFamily("TestOnlyMany", build, placement="loop", split_backward=False, torch_class="MyMany"))
+    try:
+        one, many = pipetrain.ScheduleTestOnlyOne, schedules.get_schedule_class("testonlymany")
+        assert issubclass(one, schedules.PipelineScheduleSingle) and one.schedule_name == "TestOnlyOne"
+        assert issubclass(many, schedules.PipelineScheduleMulti) and not issubclass(
+            many, schedules.PipelineScheduleSingle
+        )
+        assert many.__name__ == "MyMany" and schedules.get_schedule_class("MyMany") is many
+        assert schedules.get_schedule_class("ScheduleTestOnlyOne") is one
+    finally:
+        for name in ("ScheduleTestOnlyOne", "MyMany"):
+            vars(schedules).pop(name, None)
+            vars(pipetrain).pop(name, None)

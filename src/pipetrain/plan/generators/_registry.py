@@ -15,7 +15,12 @@ Builder = Callable[[int, int, int | None], Schedule]
 
 @dataclass(frozen=True)
 class ScheduleFamily:
-    """A named generator. ``placement`` is "loop" or "v"; ``split_backward`` means it emits I and W."""
+    """A named generator. ``placement`` is "loop" or "v"; ``split_backward`` means it emits I and W.
+
+    What the runtime derives its schedule class from (``pipetrain.schedules``): ``stages_per_rank``
+    (1: exactly one stage per rank, torch's ``PipelineScheduleSingle``; None: any number) and
+    ``torch_class`` (the class name; ``"Schedule" + name`` when empty).
+    """
 
     name: str
     build: Builder
@@ -23,6 +28,13 @@ class ScheduleFamily:
     split_backward: bool
     aliases: tuple[str, ...] = ()
     summary: str = ""
+    stages_per_rank: int | None = None
+    torch_class: str = ""
+
+    @property
+    def class_name(self) -> str:
+        """The name of the runtime's schedule class for this family."""
+        return self.torch_class or f"Schedule{self.name}"
 
 
 _FAMILIES: dict[str, ScheduleFamily] = {}
