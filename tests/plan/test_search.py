@@ -13,19 +13,21 @@ from pipetrain.plan.search import rank_schedules
 
 
 @pytest.mark.parametrize(("p", "m"), [(2, 4), (4, 8), (4, 6), (8, 32)])
-def test_best_is_no_slower_than_any_fitting_candidate(p: int, m: int) -> None:
+def test_auto_is_no_slower_than_any_fitting_named_schedule(p: int, m: int) -> None:
     costs = Costs(f=1, b=2, comm=0.25)
     limit = float(p)
     ranked = rank_schedules(p, m, costs, limit)
-    best = auto_schedule(p, m, costs, limit)
+    best = auto_schedule(p, m, costs, limit, time_limit=1.0)
     fitting = [c for c in ranked if c.fits]
-    assert fitting and best == fitting[0].schedule
     assert all(fitting[0].result.makespan <= c.result.makespan for c in fitting)
     assert all(not c.fits for c in ranked[len(fitting) :])
-    # 1F1B fits p microbatches by construction, so the plan is never slower than it.
-    one_f_one_b = simulate(build_schedule("1F1B", p, m), costs)
-    assert fitting[0].result.makespan <= one_f_one_b.makespan + 1e-9
     best.validate()
+    v = best.num_stages // p
+    mine = simulate(best, costs.cut_into(v))
+    assert mine.makespan <= fitting[0].result.makespan + 1e-9
+    assert mine.max_peak_memory / v <= limit + 1e-9
+    # 1F1B fits p microbatches by construction, so the plan is never slower than it.
+    assert mine.makespan <= simulate(build_schedule("1F1B", p, m), costs).makespan + 1e-9
 
 
 def test_split_backward_beats_1f1b_at_the_same_memory() -> None:
@@ -41,8 +43,8 @@ def test_memory_limit_is_respected_and_reported() -> None:
         for cand in rank_schedules(4, 12, costs, limit):
             assert cand.fits == (cand.memory <= limit + 1e-9)
             assert cand.memory == pytest.approx(cand.result.max_peak_memory / cand.stages_per_rank)
-    with pytest.raises(ScheduleError, match="no schedule fits memory_limit=1"):
-        auto_schedule(4, 12, costs, memory_limit=1)
+    with pytest.raises(ScheduleError, match=r"no schedule fits memory_limit=0.5: one microbatch alone needs 1"):
+        auto_schedule(4, 12, costs, memory_limit=0.5, time_limit=0.5)
 
 
 def test_per_stage_costs_fix_the_number_of_stages() -> None:

@@ -15,18 +15,24 @@ whole share (1F1B's rank 0 holds ``num_ranks`` of them).
 from __future__ import annotations
 
 import math
+import random
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from pipetrain.plan.autoplan import SECONDS_PER_ACTION, Orders, Problem, construct
 from pipetrain.plan.costs import Costs
 from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.generators import build_schedule, family, schedule_names
+from pipetrain.plan.generators._common import v_placement
 from pipetrain.plan.schedule import Schedule
 from pipetrain.plan.simulate import SimResult, simulate
 
-__all__ = ["Candidate", "auto_schedule", "rank_schedules"]
+__all__ = ["Candidate", "Plan", "auto_schedule", "plan_schedule", "rank_schedules"]
 
 _MAX_STAGES_PER_RANK = 4
+_LIKELY_BEST = ("ZBVZeroBubble", "InterleavedZeroBubble", "DualPipeV", "ZBH2", "ZBH1", "Interleaved1F1B", "1F1B")
+_NAMED_SHARE = 0.4  # of the time limit, at most, for building and simulating named schedules
 
 
 @dataclass(frozen=True)
@@ -62,8 +68,12 @@ def rank_schedules(
     *,
     names: Iterable[str] | None = None,
     stages_per_rank: int | None = None,
+    deadline: float | None = None,
 ) -> list[Candidate]:
-    """Every candidate, best first (those that fit the memory limit before those that do not)."""
+    """Every candidate, best first (those that fit the memory limit before those that do not).
+
+    With a ``deadline`` (a ``time.perf_counter()`` value) candidates are built until it passes,
+    zero-bubble families first, so a planner at scale keeps to its time limit."""
     # Checked here, not left to the generators: 0 would read as "any" and NaN fits nothing silently.
     if stages_per_rank is not None and (type(stages_per_rank) is not int or stages_per_rank < 1):
         raise ScheduleError(f"stages_per_rank must be an integer >= 1, got {stages_per_rank!r}")
@@ -79,10 +89,14 @@ def rank_schedules(
         raise ScheduleError(f"stages_per_rank={stages_per_rank} contradicts the {fixed * num_ranks} per-stage costs")
     choices = [fixed or stages_per_rank] if (fixed or stages_per_rank) else list(range(1, _MAX_STAGES_PER_RANK + 1))
     wanted = [family(n).name for n in names] if names is not None else schedule_names()
+    if deadline is not None:
+        wanted.sort(key=lambda n: _LIKELY_BEST.index(n) if n in _LIKELY_BEST else len(_LIKELY_BEST))
     candidates: list[Candidate] = []
     for name in wanted:
         if name == "ForwardOnly":
             continue
+        if deadline is not None and candidates and time.perf_counter() > deadline:
+            break
         for v in choices:
             assert v is not None
             try:
@@ -109,28 +123,157 @@ def auto_schedule(
     costs: Costs | None = None,
     memory_limit: float | None = None,
     *,
-    names: Iterable[str] | None = None,
     stages_per_rank: int | None = None,
+    placement: str | None = None,
+    time_limit: float = 10.0,
+    names: Iterable[str] | None = None,
+    seed: int = 0,
 ) -> Schedule:
-    """The fastest schedule (under ``costs``) whose peak memory fits ``memory_limit``.
+    """The fastest schedule found within ``time_limit`` seconds whose peak memory fits ``memory_limit``.
 
-    Raises ScheduleError when nothing fits, naming the least memory any candidate needs.
+    Constructs per-rank orders of F, I, W (or B) for the given costs (see :mod:`pipetrain.plan.autoplan`),
+    starting from every named schedule that fits, and returns the best: a named schedule when none
+    constructed beats it, else a schedule named "Auto". ``placement`` ("loop" or "v") fixes the layout
+    with two stages per rank; ``names`` restricts the named schedules considered. Raises
+    ScheduleError when nothing fits, naming the least memory a layout needs.
     """
-    ranked = rank_schedules(
+    return plan_schedule(
         num_ranks,
         num_microbatches,
         Costs() if costs is None else costs,
         memory_limit,
+        stages_per_rank=stages_per_rank,
+        placement=placement,
+        time_limit=time_limit,
+        names=names,
+        seed=seed,
+    ).schedule
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What :func:`plan_schedule` found: the schedule, its simulated makespan and memory, and the
+    best named schedule that fits (None if none does) for comparison."""
+
+    schedule: Schedule
+    makespan: float
+    memory: float
+    best_named: Candidate | None
+    layouts_tried: tuple[str, ...]
+
+
+def plan_schedule(
+    num_ranks: int,
+    num_microbatches: int,
+    costs: Costs,
+    memory_limit: float | None = None,
+    *,
+    stages_per_rank: int | None = None,
+    placement: str | None = None,
+    time_limit: float = 10.0,
+    names: Iterable[str] | None = None,
+    seed: int = 0,
+) -> Plan:
+    """:func:`auto_schedule` with what it compared against."""
+    started = time.perf_counter()
+    if isinstance(time_limit, bool) or not isinstance(time_limit, int | float) or not time_limit > 0:
+        raise ScheduleError(f"time_limit must be a number of seconds > 0, got {time_limit!r}")
+    if placement is not None and placement not in ("loop", "v"):
+        raise ScheduleError(f"placement must be 'loop' or 'v', got {placement!r}")
+    deadline = started + time_limit
+    ranked = rank_schedules(
+        num_ranks,
+        num_microbatches,
+        costs,
+        memory_limit,
         names=names,
         stages_per_rank=stages_per_rank,
+        deadline=started + _NAMED_SHARE * time_limit,
     )
-    if not ranked:
-        raise ScheduleError(f"no schedule accepts {num_ranks} ranks and {num_microbatches} microbatches")
-    best = ranked[0]
-    if not best.fits:
-        least = min(ranked, key=lambda c: c.memory)
+    fixed = _fixed_stages(costs, num_ranks)
+    choices = [fixed or stages_per_rank] if (fixed or stages_per_rank) else [1, 2]
+    layouts: list[tuple[int, str]] = []
+    for v in choices:
+        assert v is not None
+        if placement == "v" and v != 2:
+            raise ScheduleError(f"placement 'v' needs 2 stages per rank, got {v}")
+        options = [placement] if placement else (["loop", "v"] if v == 2 else ["loop"])
+        layouts.extend((v, p) for p in options)
+    named = [c for c in ranked if c.fits and (placement is None or family(c.name).placement == placement)]
+    best_named = named[0] if named else None
+
+    problems: list[Problem] = []
+    least: tuple[float, str] | None = None
+    for v, place in layouts:
+        problem = _problem(num_ranks, num_microbatches, costs, memory_limit, v, place, fixed is not None)
+        need = problem.least_memory()
+        if least is None or need < least[0]:
+            least = (need, f"{v} stage(s) per rank, {place} placement")
+        if memory_limit is None or need <= memory_limit + 1e-9:
+            problems.append(problem)
+    if not problems and best_named is None:
+        if least is None:
+            raise ScheduleError(f"no layout accepts {num_ranks} ranks and {num_microbatches} microbatches")
         raise ScheduleError(
-            f"no schedule fits memory_limit={memory_limit:g}; the least memory is {least.memory:g} "
-            f"({least.name} with {least.stages_per_rank} stages per rank)"
+            f"no schedule fits memory_limit={memory_limit:g}: one microbatch alone needs {least[0]:g} "
+            f"on some rank ({least[1]})"
         )
-    return best.schedule
+
+    rng = random.Random(seed)
+    found: list[tuple[float, Problem, Orders]] = []
+    for index, problem in enumerate(problems):
+        share = (deadline - time.perf_counter()) / (len(problems) - index)
+        if best_named is not None and share < 2 * SECONDS_PER_ACTION * 3 * problem.num_stages * num_microbatches:
+            continue  # not even one list-scheduling run would end in time: the named schedules stand
+        seeds = [problem.orders_of(c.schedule) for c in named if _same_layout(problem, c.schedule)]
+        result = construct(problem, seeds, time.perf_counter() + share, rng)
+        if result is not None:
+            found.append((result[1], problem, result[0]))
+    if found:
+        makespan, problem, orders = min(found, key=lambda item: item[0])
+        if best_named is None or makespan < best_named.result.makespan - 1e-9:
+            schedule = problem.to_schedule(orders)
+            memory = max(problem.peak(o) for o in orders)
+            return Plan(schedule, makespan, memory, best_named, tuple(_label(p) for p in problems))
+    if best_named is None:
+        raise ScheduleError("no schedule found within the time limit; give it more time_limit")
+    return Plan(
+        best_named.schedule,
+        best_named.result.makespan,
+        best_named.memory,
+        best_named,
+        tuple(_label(p) for p in problems),
+    )
+
+
+def _label(problem: Problem) -> str:
+    return f"{problem.num_stages // problem.num_ranks}x{problem.placement}"
+
+
+def _same_layout(problem: Problem, schedule: Schedule) -> bool:
+    return schedule.num_stages == problem.num_stages and all(
+        schedule.stage_to_rank.get(s) == r for s, r in enumerate(problem.stage_to_rank)
+    )
+
+
+def _problem(
+    num_ranks: int,
+    num_microbatches: int,
+    costs: Costs,
+    memory_limit: float | None,
+    v: int,
+    place: str,
+    per_stage: bool,
+) -> Problem:
+    rank_of = (
+        [v_placement(num_ranks)[s] for s in range(2 * num_ranks)]
+        if place == "v"
+        else [s % num_ranks for s in range(num_ranks * v)]
+    )
+    stage_costs = costs if per_stage else costs.cut_into(v)
+    n = num_ranks * v
+    if stage_costs.activation_bytes is not None:
+        weight = stage_costs.per_stage("activation_bytes", n)
+    else:
+        weight = [1.0 / v] * n
+    return Problem.build(num_ranks, num_microbatches, rank_of, stage_costs, weight, memory_limit, place)

@@ -1,0 +1,119 @@
+"""Schedule construction for measured costs and a memory limit (behind ``auto_schedule``).
+
+Three parts, each small: :mod:`.problem` turns a layout and costs into integer tables with a fast
+makespan evaluation; :mod:`.greedy` builds orders by memory-safe list scheduling under several
+priority rules; :mod:`.improve` polishes the best orders by local search. :func:`construct` runs
+them against a deadline, starting from any orders it is given (the named schedules that fit).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator, Sequence
+
+from pipetrain.plan.autoplan import exact
+from pipetrain.plan.autoplan.greedy import Policy, list_schedule
+from pipetrain.plan.autoplan.improve import improve
+from pipetrain.plan.autoplan.problem import KIND_B, KIND_I, KIND_W, Orders, Problem
+
+__all__ = ["SECONDS_PER_ACTION", "Orders", "Policy", "Problem", "construct", "merge_backward"]
+
+_GREEDY_SHARE = 0.35  # of the time: list scheduling under the rule grid and random restarts
+_EXACT_SHARE = 0.5  # of what is left, for CP-SAT when ortools is installed and the problem is small
+_EXACT_MAX_ACTIONS = 600
+SECONDS_PER_ACTION = 2e-5
+
+
+def _policies(problem: Problem) -> Iterator[Policy]:
+    """The rule grid, most often best first; then random jitter over it (restarts).
+
+    The in-flight cap is the knob that matters most under tight memory (how deep the warm-up
+    goes), so every rule is tried at several caps around one and two times the ranks."""
+    p = problem.num_ranks
+    caps: list[int | None] = [
+        None,
+        *sorted({max(1, k) for k in (p, 2 * p, p - 1, p + 1, (3 * p + 1) // 2, 2 * p - 1, 2, 3)}),
+    ]
+    rules = [
+        (ff, deep, eager, fit)
+        for eager in (False, True)
+        for fit in (False, True)
+        for deep in (True, False)
+        for ff in (False, True)
+    ]
+    grid = [
+        Policy(forward_first=ff, deep_first=deep, eager_w=eager, w_fit=fit, max_inflight=cap)
+        for ff, deep, eager, fit in rules
+        for cap in caps
+    ]
+    yield from grid
+    while True:
+        for base in grid:
+            yield Policy(
+                forward_first=base.forward_first,
+                deep_first=base.deep_first,
+                eager_w=base.eager_w,
+                w_fit=base.w_fit,
+                max_inflight=base.max_inflight,
+                noise=0.5,
+            )
+
+
+def merge_backward(problem: Problem, orders: Orders) -> Orders:
+    """``orders`` with every I directly followed by its own W run as one B."""
+    sm = problem.num_stages * problem.num_microbatches
+    out: Orders = []
+    for program in orders:
+        merged: list[int] = []
+        k = 0
+        while k < len(program):
+            c = program[k]
+            if c // sm == KIND_I and k + 1 < len(program) and program[k + 1] == c + (KIND_W - KIND_I) * sm:
+                merged.append(c + (KIND_B - KIND_I) * sm)
+                k += 2
+                continue
+            merged.append(c)
+            k += 1
+        out.append(merged)
+    return out
+
+
+def construct(
+    problem: Problem, seeds: Sequence[Orders], deadline: float, rng: random.Random
+) -> tuple[Orders, float] | None:
+    """The best orders found by ``deadline`` (never worse than a seed that fits), and their makespan."""
+    pool: list[tuple[tuple[float, float], Orders]] = []
+    for seed_orders in seeds:
+        if problem.complete(seed_orders) and problem.fits(seed_orders):
+            pool.append((problem.score(seed_orders), seed_orders))
+    greedy_until = time.perf_counter() + _GREEDY_SHARE * max(0.0, deadline - time.perf_counter())
+    actions = 3 * problem.num_stages * problem.num_microbatches
+    for count, policy in enumerate(_policies(problem)):
+        now = time.perf_counter()
+        # One run costs ~20 us an action; skip a run that cannot end in time unless nothing fits yet.
+        if (count or pool) and (now >= greedy_until or now + SECONDS_PER_ACTION * actions > deadline):
+            break
+        built = list_schedule(problem, policy, rng)
+        if built is not None and problem.fits(built):
+            pool.append((problem.score(built), built))
+    if not pool:
+        return None
+    pool.sort(key=lambda item: item[0])
+    size = sum(len(o) for o in pool[0][1])
+    use_exact = size <= _EXACT_MAX_ACTIONS and exact.available() and exact.solvable(problem)
+    left = max(0.0, deadline - time.perf_counter())
+    improve_until = deadline - (_EXACT_SHARE * left if use_exact else 0.0)
+    best, makespan = improve(problem, pool[0][1], improve_until, rng)
+    if makespan == float("inf"):
+        return None
+    if use_exact and deadline - time.perf_counter() > 0.05:
+        solved = exact.solve(problem, hint=best, time_limit=deadline - time.perf_counter())
+        if solved.orders is not None:
+            score = problem.makespan(solved.orders)
+            if score < makespan - 1e-9 and problem.fits(solved.orders):
+                best, makespan = solved.orders, score
+    merged = merge_backward(problem, best)
+    if merged != best and problem.makespan(merged) <= makespan + 1e-9:
+        best = merged
+    return best, makespan

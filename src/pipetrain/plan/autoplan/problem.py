@@ -1,0 +1,337 @@
+"""A scheduling problem as flat integer tables, and the makespan evaluation the search runs
+thousands of times.
+
+An action is a *code*: ``kind * SM + s * M + m`` with kind F=0, I=1, W=2, B=3 (``SM`` = stages
+× microbatches). A rank's program is a list of codes in the order it runs them. Two products are
+consumed by other actions: the forward output of (s, m) (slot ``s*M + m``) and its input-gradient,
+made by I or B (slot ``SM + s*M + m``). The dependency rules are DESIGN.md §2's, the same that
+``validate`` and ``simulate`` apply: F(s,m) needs F(s-1,m); I/B(s,m) need F(s,m) and, unless s is
+the last stage, the input-gradient of (s+1,m); W(s,m) needs I(s,m). A product crossing ranks
+arrives ``comm`` after its action ends.
+
+Memory is a property of the order alone: a rank holds the activation of (s, m) from the start of
+F(s,m) to the end of W(s,m) or B(s,m), so its peak is the largest prefix sum of its program.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pipetrain.plan.actions import Action, ActionKind
+from pipetrain.plan.costs import Costs
+from pipetrain.plan.errors import ScheduleError
+from pipetrain.plan.schedule import Schedule
+
+__all__ = ["KIND_B", "KIND_F", "KIND_I", "KIND_W", "Problem"]
+
+KIND_F, KIND_I, KIND_W, KIND_B = 0, 1, 2, 3
+_KINDS = (ActionKind.F, ActionKind.I, ActionKind.W, ActionKind.B)
+_KIND_CODE = {ActionKind.F: KIND_F, ActionKind.I: KIND_I, ActionKind.W: KIND_W, ActionKind.B: KIND_B}
+INFEASIBLE = math.inf
+
+Orders = list[list[int]]
+"""One program (a list of action codes) per rank."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Sizes, placement, per-stage durations and memory weights of one planning problem.
+
+    ``weight[s]`` is what one activation of stage s costs against ``limit`` (bytes, or a stage's
+    share of a rank's activations); ``limit`` None means unlimited.
+    """
+
+    num_ranks: int
+    num_microbatches: int
+    stage_to_rank: tuple[int, ...]
+    f: tuple[float, ...]
+    i: tuple[float, ...]
+    w: tuple[float, ...]
+    b: tuple[float, ...]
+    comm: float
+    weight: tuple[float, ...]
+    limit: float | None
+    placement: str
+
+    @classmethod
+    def build(
+        cls,
+        num_ranks: int,
+        num_microbatches: int,
+        stage_to_rank: Sequence[int],
+        costs: Costs,
+        weight: Sequence[float],
+        limit: float | None,
+        placement: str,
+    ) -> Problem:
+        n = len(stage_to_rank)
+        return cls(
+            num_ranks,
+            num_microbatches,
+            tuple(stage_to_rank),
+            tuple(costs.per_stage("f", n)),
+            tuple(costs.per_stage("i", n)),
+            tuple(costs.per_stage("w", n)),
+            tuple(costs.per_stage("b", n)),
+            costs.comm,
+            tuple(weight),
+            limit,
+            placement,
+        )
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_to_rank)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_tables", _Tables(self))
+
+    @property
+    def tables(self) -> _Tables:
+        return self._tables  # type: ignore[attr-defined, no-any-return]
+
+    # ------------------------------------------------------------------ codes
+    def code(self, kind: int, stage: int, microbatch: int) -> int:
+        m = self.num_microbatches
+        return kind * self.num_stages * m + stage * m + microbatch
+
+    def decode(self, code: int) -> tuple[int, int, int]:
+        """(kind, stage, microbatch) of a code."""
+        m = self.num_microbatches
+        kind, rest = divmod(code, self.num_stages * m)
+        stage, mb = divmod(rest, m)
+        return kind, stage, mb
+
+    def stages_of(self, rank: int) -> list[int]:
+        return [s for s, r in enumerate(self.stage_to_rank) if r == rank]
+
+    # ------------------------------------------------------------ conversion
+    def orders_of(self, schedule: Schedule) -> Orders:
+        """The compute orders of a schedule with this layout (OVERLAP_F_B pairs run as their parts)."""
+        if dict(schedule.stage_to_rank) != dict(enumerate(self.stage_to_rank)):
+            raise ScheduleError("the schedule's placement differs from the problem's")
+        orders: Orders = [[] for _ in range(self.num_ranks)]
+        for rank, program in schedule.actions.items():
+            for action in program:
+                if action is None:
+                    continue
+                for part in action.parts:
+                    kind = _KIND_CODE.get(part.kind)
+                    if kind is not None and part.microbatch is not None:
+                        orders[rank].append(self.code(kind, part.stage, part.microbatch))
+        return orders
+
+    def to_schedule(self, orders: Orders, name: str = "Auto") -> Schedule:
+        """A compute-only Schedule running ``orders``, laid out on steps so that every action sits
+        right of what it waits for (the rank's previous action and its inputs)."""
+        t = self.tables
+        step_of = [-1] * (2 * self.num_stages * self.num_microbatches)
+        pointers = [0] * self.num_ranks
+        next_step = [0] * self.num_ranks
+        grid: dict[int, list[Action | None]] = {r: [] for r in range(self.num_ranks)}
+        left = sum(len(o) for o in orders)
+        while left:
+            moved = False
+            for rank in range(self.num_ranks):
+                program = orders[rank]
+                k = pointers[rank]
+                while k < len(program):
+                    c = program[k]
+                    d1, d2 = t.dep1[c], t.dep2[c]
+                    if (d1 >= 0 and step_of[d1] < 0) or (d2 >= 0 and step_of[d2] < 0):
+                        break
+                    step = max(next_step[rank], step_of[d1] + 1 if d1 >= 0 else 0, step_of[d2] + 1 if d2 >= 0 else 0)
+                    row = grid[rank]
+                    row.extend([None] * (step - len(row)))
+                    kind, stage, mb = self.decode(c)
+                    row.append(Action(stage, _KINDS[kind], mb))
+                    if t.out[c] >= 0:
+                        step_of[t.out[c]] = step
+                    next_step[rank] = step + 1
+                    k += 1
+                    left -= 1
+                    moved = True
+                pointers[rank] = k
+            if not moved:
+                raise ScheduleError("these orders deadlock; no schedule can run them")
+        return Schedule(
+            grid,
+            num_stages=self.num_stages,
+            num_microbatches=self.num_microbatches,
+            stage_to_rank=dict(enumerate(self.stage_to_rank)),
+            name=name,
+        )
+
+    # ------------------------------------------------------------ evaluation
+    def makespan(self, orders: Orders) -> float:
+        """Simulated makespan of ``orders`` (``inf`` when they deadlock); each action starts when
+        its rank is free and its inputs have arrived."""
+        return self.score(orders)[0]
+
+    def score(self, orders: Orders) -> tuple[float, float]:
+        """(makespan, sum of the ranks' finishing times): the second breaks ties in the search,
+        preferring orders that leave ranks free earlier."""
+        t = self.tables
+        dep1, dep2, lat1, lat2, dur, out = t.dep1, t.dep2, t.lat1, t.lat2, t.dur, t.out
+        times = [-1.0] * t.num_slots
+        pointers = [0] * self.num_ranks
+        free = [0.0] * self.num_ranks
+        ranks = range(self.num_ranks)
+        while True:
+            moved = False
+            for r in ranks:
+                program = orders[r]
+                k = pointers[r]
+                n = len(program)
+                if k == n:
+                    continue
+                start_k = k
+                now = free[r]
+                while k < n:
+                    c = program[k]
+                    d = dep1[c]
+                    if d >= 0:
+                        x = times[d]
+                        if x < 0:
+                            break
+                        x += lat1[c]
+                        if x > now:
+                            now = x
+                        d = dep2[c]
+                        if d >= 0:
+                            x = times[d]
+                            if x < 0:
+                                break
+                            x += lat2[c]
+                            if x > now:
+                                now = x
+                    now += dur[c]
+                    d = out[c]
+                    if d >= 0:
+                        times[d] = now
+                    k += 1
+                if k != start_k:
+                    moved = True
+                    pointers[r] = k
+                    free[r] = now
+            if not moved:
+                break
+        for r in ranks:
+            if pointers[r] != len(orders[r]):
+                return INFEASIBLE, INFEASIBLE
+        return max(free), sum(free)
+
+    def starts(self, orders: Orders) -> list[list[float]]:
+        """Each action's start time, per rank and position (orders must not deadlock)."""
+        t = self.tables
+        times = [-1.0] * t.num_slots
+        out: list[list[float]] = [[0.0] * len(o) for o in orders]
+        pointers = [0] * self.num_ranks
+        free = [0.0] * self.num_ranks
+        moved = True
+        while moved:
+            moved = False
+            for r in range(self.num_ranks):
+                program, k, now = orders[r], pointers[r], free[r]
+                while k < len(program):
+                    c = program[k]
+                    ready = now
+                    blocked = False
+                    for d, lat in ((t.dep1[c], t.lat1[c]), (t.dep2[c], t.lat2[c])):
+                        if d >= 0:
+                            if times[d] < 0:
+                                blocked = True
+                                break
+                            ready = max(ready, times[d] + lat)
+                    if blocked:
+                        break
+                    out[r][k] = ready
+                    now = ready + t.dur[c]
+                    if t.out[c] >= 0:
+                        times[t.out[c]] = now
+                    k += 1
+                    moved = True
+                pointers[r], free[r] = k, now
+        return out
+
+    def peak(self, program: Sequence[int]) -> float:
+        """Peak memory of one rank's program, in the units of ``limit``."""
+        delta = self.tables.delta
+        held = peak = 0.0
+        for c in program:
+            held += delta[c]
+            if held > peak:
+                peak = held
+        return peak
+
+    def least_memory(self) -> float:
+        """The memory one microbatch alone needs on its busiest rank: no order can need less."""
+        per_rank = [0.0] * self.num_ranks
+        for s, r in enumerate(self.stage_to_rank):
+            per_rank[r] += self.weight[s]
+        return max(per_rank)
+
+    def fits(self, orders: Orders) -> bool:
+        if self.limit is None:
+            return True
+        bound = self.limit + 1e-9
+        return all(self.peak(program) <= bound for program in orders)
+
+    def complete(self, orders: Orders) -> bool:
+        """Every (stage, microbatch) has F, its backward (B, or I and W) exactly once."""
+        seen = sorted(c for program in orders for c in program)
+        if len(seen) != len(set(seen)):
+            return False
+        sm = self.num_stages * self.num_microbatches
+        per_pair = [0] * sm
+        for c in seen:
+            kind, rest = divmod(c, sm)
+            per_pair[rest] |= 1 << kind
+        return all(bits in (0b0111, 0b1001) for bits in per_pair)
+
+
+class _Tables:
+    """Per-code dependency slots, latencies, durations, outputs and memory deltas."""
+
+    __slots__ = ("delta", "dep1", "dep2", "dur", "lat1", "lat2", "num_slots", "out", "rank")
+
+    def __init__(self, p: Problem) -> None:
+        n_st, n_mb = p.num_stages, p.num_microbatches
+        sm = n_st * n_mb
+        size = 4 * sm
+        self.num_slots = 2 * sm
+        self.dep1 = [-1] * size
+        self.dep2 = [-1] * size
+        self.lat1 = [0.0] * size
+        self.lat2 = [0.0] * size
+        self.dur = [0.0] * size
+        self.out = [-1] * size
+        self.rank = [0] * size
+        self.delta = [0.0] * size
+        rank_of = p.stage_to_rank
+        for s in range(n_st):
+            r = rank_of[s]
+            before = p.comm if s > 0 and rank_of[s - 1] != r else 0.0
+            after = p.comm if s < n_st - 1 and rank_of[s + 1] != r else 0.0
+            for m in range(n_mb):
+                pair = s * n_mb + m
+                f, i, w, b = pair, sm + pair, 2 * sm + pair, 3 * sm + pair
+                for c in (f, i, w, b):
+                    self.rank[c] = r
+                if s > 0:
+                    self.dep1[f], self.lat1[f] = pair - n_mb, before
+                self.out[f] = pair
+                self.dur[f] = p.f[s]
+                self.delta[f] = p.weight[s]
+                for c, duration in ((i, p.i[s]), (b, p.b[s])):
+                    self.dep1[c] = pair
+                    if s < n_st - 1:
+                        self.dep2[c], self.lat2[c] = sm + pair + n_mb, after
+                    self.out[c] = sm + pair
+                    self.dur[c] = duration
+                self.delta[b] = -p.weight[s]
+                self.dep1[w] = sm + pair
+                self.dur[w] = p.w[s]
+                self.delta[w] = -p.weight[s]

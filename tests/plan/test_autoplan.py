@@ -1,0 +1,157 @@
+"""Schedule construction (pipetrain.plan.autoplan): every order it builds is complete, runs, fits
+its memory limit and is timed exactly as ``simulate`` times it; auto_schedule beats or equals the
+named schedules and plans where none fits."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipetrain.plan import Costs, ScheduleError, auto_schedule, build_schedule, simulate
+from pipetrain.plan.autoplan import Policy, construct, exact, merge_backward
+from pipetrain.plan.autoplan.greedy import list_schedule
+from pipetrain.plan.autoplan.problem import Problem
+from pipetrain.plan.search import _problem, plan_schedule
+
+
+def _costs(n: int, data: st.DataObject, comm: float) -> Costs:
+    durations = st.lists(st.sampled_from([0.5, 1.0, 1.5, 2.0]), min_size=n, max_size=n)
+    return Costs(
+        f=data.draw(durations), i=data.draw(durations), w=data.draw(durations), comm=comm, activation_bytes=[1.0] * n
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    p=st.integers(1, 4),
+    v=st.sampled_from([1, 2]),
+    m=st.integers(1, 8),
+    place=st.sampled_from(["loop", "v"]),
+    comm=st.sampled_from([0.0, 0.3]),
+    extra=st.integers(0, 6),
+    policy=st.builds(
+        Policy,
+        forward_first=st.booleans(),
+        max_inflight=st.one_of(st.none(), st.integers(1, 8)),
+        deep_first=st.booleans(),
+        split=st.booleans(),
+        eager_w=st.booleans(),
+        w_fit=st.booleans(),
+        noise=st.sampled_from([0.0, 0.5]),
+    ),
+    data=st.data(),
+)
+def test_list_scheduling_is_complete_safe_and_timed_like_simulate(
+    p: int, v: int, m: int, place: str, comm: float, extra: int, policy: Policy, data: st.DataObject
+) -> None:
+    """Down to one microbatch's own activations, the list scheduler never deadlocks on memory;
+    what it builds validates, lowers, fits, and simulates to the makespan the search saw."""
+    if place == "v" and v != 2:
+        place = "loop"
+    costs = _costs(p * v, data, comm)
+    least = _problem(p, m, costs, None, v, place, True).least_memory()
+    problem = _problem(p, m, costs, least + extra, v, place, True)
+    orders = list_schedule(problem, policy, random.Random(0))
+    assert orders is not None
+    assert problem.complete(orders) and problem.fits(orders)
+    schedule = problem.to_schedule(orders)
+    schedule.validate()
+    schedule.lower().validate()
+    result = simulate(schedule, costs)
+    assert result.makespan == pytest.approx(problem.makespan(orders))
+    assert result.peak_memory_bytes is not None
+    assert max(result.peak_memory_bytes.values()) <= least + extra + 1e-9
+    merged = merge_backward(problem, orders)
+    assert problem.complete(merged)
+    assert simulate(problem.to_schedule(merged), costs).makespan == pytest.approx(problem.makespan(merged))
+
+
+def test_plans_below_every_named_schedules_memory() -> None:
+    """4 ranks x 2 stages, 4 stage activations per rank: half of what ZB-V and InterleavedZeroBubble
+    hold; no named schedule fits, auto_schedule finds one (the issue's case)."""
+    n = 8
+    costs = Costs(f=[1.0] * n, i=[1.0] * n, w=[1.0] * n, activation_bytes=[1.0] * n)
+    plan = plan_schedule(4, 8, costs, 4.0, time_limit=1.0)
+    assert plan.best_named is None and plan.schedule.name == "Auto"
+    plan.schedule.validate()
+    result = simulate(plan.schedule, costs)
+    assert result.peak_memory_bytes is not None and max(result.peak_memory_bytes.values()) <= 4
+    assert result.makespan == plan.makespan
+    zbv = simulate(build_schedule("ZBVZeroBubble", 4, 8), costs)
+    assert zbv.makespan <= result.makespan  # twice the memory is worth something
+
+
+def test_one_activation_per_stage_is_enough() -> None:
+    n = 8
+    costs = Costs(f=[1.0] * n, i=[1.0] * n, w=[1.0] * n, comm=0.1, activation_bytes=[1.0] * n)
+    for place in ("loop", "v"):
+        schedule = auto_schedule(4, 6, costs, 2.0, placement=place, time_limit=0.5)
+        result = simulate(schedule, costs)
+        assert result.peak_memory_bytes is not None and max(result.peak_memory_bytes.values()) <= 2
+        assert (schedule.stage_to_rank[7] == 0) == (place == "v")
+
+
+def test_memory_between_two_named_needs_is_used() -> None:
+    """1F1B's memory (p) and ZB-H2's (2p-1) bracket 1.5p: the plan there is faster than at p and
+    holds more than p."""
+    p, m = 4, 16
+    costs = Costs(f=[1.0] * p, i=[1.0] * p, w=[1.0] * p, comm=0.1, activation_bytes=[1.0] * p)
+    at_p = plan_schedule(p, m, costs, float(p), time_limit=1.0)
+    between = plan_schedule(p, m, costs, 1.5 * p, time_limit=1.0)
+    assert between.makespan < at_p.makespan
+    assert p < between.memory <= 1.5 * p
+
+
+def test_latency_breaks_the_named_schedules_assumptions() -> None:
+    """With message latency half a forward, the V-shaped named schedules wait; a constructed order
+    hides more of it (4 ranks x 2 stages, 4 microbatches, ZB-V's own memory)."""
+    n = 8
+    ones = [1.0] * n
+    costs = Costs(f=ones, i=ones, w=ones, comm=0.5, activation_bytes=ones)
+    plan = plan_schedule(4, 4, costs, 8.0, time_limit=1.0)
+    assert plan.best_named is not None
+    assert plan.makespan < plan.best_named.result.makespan - 1e-9
+    assert simulate(plan.schedule, costs).makespan == plan.makespan
+
+
+def test_returns_within_its_time_limit_at_scale() -> None:
+    started = time.perf_counter()
+    schedule = auto_schedule(32, 64, Costs(f=1, b=2, comm=0.1), 64.0, stages_per_rank=2, time_limit=2.0)
+    assert time.perf_counter() - started < 2.0 + 1.5  # one list-scheduling run may end past it
+    assert schedule.num_stages == 64
+
+
+def test_bad_arguments_are_named() -> None:
+    costs = Costs(f=1, b=2)
+    with pytest.raises(ScheduleError, match="placement must be 'loop' or 'v'"):
+        auto_schedule(4, 8, costs, placement="zigzag")
+    with pytest.raises(ScheduleError, match="placement 'v' needs 2 stages per rank, got 1"):
+        auto_schedule(4, 8, costs, placement="v", stages_per_rank=1)
+    with pytest.raises(ScheduleError, match="time_limit must be a number of seconds > 0"):
+        auto_schedule(4, 8, costs, time_limit=0)
+    with pytest.raises(ScheduleError, match=r"one microbatch alone needs 2 on some rank \(1 stage\(s\) per rank"):
+        auto_schedule(4, 8, Costs(f=1, b=2, activation_bytes=2.0), memory_limit=1.0, stages_per_rank=1)
+
+
+@pytest.mark.skipif(not exact.available(), reason="ortools (the solver extra) is not installed")
+def test_small_problems_reach_the_exact_optimum() -> None:
+    """Where CP-SAT proves an optimum quickly, the planner reaches it (2 ranks, 4 microbatches)."""
+    costs = Costs(f=[1.0, 1.6], i=[1.0, 1.6], w=[1.0, 1.6], comm=0.1, activation_bytes=[1.0, 1.0])
+    problem = _problem(2, 4, costs, 2.0, 1, "loop", True)
+    solved = exact.solve(problem, time_limit=20.0)
+    assert solved.optimal
+    plan = plan_schedule(2, 4, costs, 2.0, time_limit=2.0)
+    assert plan.makespan == pytest.approx(solved.makespan)
+
+
+def test_construct_never_returns_worse_than_its_seed() -> None:
+    costs = Costs(f=1, i=1, w=1, comm=0.5)
+    named = build_schedule("ZBVZeroBubble", 4, 8)
+    problem = Problem.build(4, 8, [named.stage_to_rank[s] for s in range(8)], costs, [1.0] * 8, None, "v")
+    seed = problem.orders_of(named)
+    found = construct(problem, [seed], time.perf_counter() + 0.5, random.Random(0))
+    assert found is not None and found[1] <= problem.makespan(seed) + 1e-9
