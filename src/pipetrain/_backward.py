@@ -328,7 +328,7 @@ def _analyse(roots: Sequence[Node], input_nodes: dict[Node, int]) -> tuple[_Anal
     group_of = [uf.find(i) for i in range(len(starts))]
     weights: dict[int, list[torch.Tensor]] = {}
     for leaf, idx in leaf_owner.items():
-        weights.setdefault(group_of[idx], []).append(leaf.variable)  # type: ignore[attr-defined]
+        weights.setdefault(group_of[idx], []).append(leaf.variable)  # type: ignore[attr-defined]  # AccumulateGrad nodes have .variable; the Node stub lacks it
     members: dict[int, list[Node]] = {}
     for idx, node in enumerate(x_entries):
         members.setdefault(group_of[idx], []).append(node)

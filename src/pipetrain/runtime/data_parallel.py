@@ -68,37 +68,41 @@ def with_grad_reduction(schedule: Schedule, stages: Sequence[PipelineStage], ran
 
 
 def unshard(stage: PipelineStage) -> None:
-    if dp_kind(stage.submodule) == "fsdp":
-        stage.submodule.unshard()  # type: ignore[operator]
+    module: Any = stage.submodule  # an FSDPModule mixed into the user's class: its type is dynamic
+    if dp_kind(module) == "fsdp":
+        module.unshard()
 
 
 def reshard(stage: PipelineStage) -> None:
-    if dp_kind(stage.submodule) == "fsdp":
-        stage.submodule.reshard()  # type: ignore[operator]
+    module: Any = stage.submodule
+    if dp_kind(module) == "fsdp":
+        module.reshard()
+
+
+def _sync(module: Any, kind: str | None, on: bool) -> None:
+    """Whether the wrapper reduces (and FSDP reshards) at the end of a backward."""
+    if kind == "fsdp":
+        module.set_is_last_backward(on)
+        module.set_reshard_after_backward(on)
+        module.set_requires_gradient_sync(on)
+    elif kind == "ddp":
+        module.require_backward_grad_sync = on
 
 
 def hold_grad_sync(stage: PipelineStage) -> None:
     """Accumulate gradients locally over the microbatches: no data-parallel reduction per backward."""
-    module: Any = stage.submodule
-    kind = dp_kind(module)
-    if kind == "fsdp":
-        module.set_is_last_backward(False)
-        module.set_reshard_after_backward(False)
-        module.set_requires_gradient_sync(False)
-    elif kind == "ddp":
-        module.require_backward_grad_sync = False
+    _sync(stage.submodule, dp_kind(stage.submodule), False)
 
 
 def reduce_grad(stage: PipelineStage) -> None:
     """REDUCE_GRAD: the one data-parallel gradient reduction of the step for this stage."""
     module: Any = stage.submodule
     kind = dp_kind(module)
+    _sync(module, kind, True)
     if kind == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
-        module.set_is_last_backward(True)
-        module.set_reshard_after_backward(True)
-        module.set_requires_gradient_sync(True)
+        # torch adds fully_shard.state through a decorator its stubs do not show
         state = fully_shard.state(module)  # type: ignore[attr-defined]
         for sub in state._state_ctx.all_states:
             for group in sub._fsdp_param_groups:
@@ -115,4 +119,3 @@ def reduce_grad(stage: PipelineStage) -> None:
             for g in grads:
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
-        module.require_backward_grad_sync = True

@@ -192,9 +192,9 @@ class RankExecutor:
         for part in action.parts:
             handle = None
             if part.kind is _K.F:
-                handle = self.recv_f.get((part.stage, part.microbatch))  # type: ignore[arg-type]
+                handle = self.recv_f.get((part.stage, part.microbatch or 0))
             elif part.kind in (_K.B, _K.I):
-                handle = self.recv_b.get((part.stage, part.microbatch))  # type: ignore[arg-type]
+                handle = self.recv_b.get((part.stage, part.microbatch or 0))
             if handle is not None:
                 while not self.comm.ready(handle):
                     yield

@@ -11,7 +11,7 @@ __all__ = ["LocalTransport"]
 
 
 class LocalTransport:
-    """In-process mailboxes for :class:`~pipetrain.local.LocalPipeline`: first in, first out per pair."""
+    """In-process mailboxes for :class:`~pipetrain.runtime.local.LocalPipeline`: first in, first out per pair."""
 
     def __init__(self) -> None:
         self._boxes: dict[tuple[int, int], deque[Any]] = {}
