@@ -280,35 +280,56 @@ def _split(model: torch.nn.Module, flat: fx.GraphModule, spec: dict[str, SplitPo
     carries = _carries(nodes, stage_of, num_stages)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     output = nodes[-1]
+    setattr(flat, _OUT_SPEC, info.out_spec)  # read by the last stage (flat is this call's own module)
     state_keys = set(model.state_dict().keys())
     stages: dict[str, torch.nn.Module] = {}
     for s in range(num_stages):
         g = fx.Graph()
         inputs = placeholders if s == 0 else carries[s - 1]
-        env: dict[fx.Node, fx.Node] = {}
-        for v in inputs:
-            env[v] = g.placeholder(v.name)
-            env[v].meta = dict(v.meta)
+        env = _stage_inputs(g, inputs, list(info.orig_args) if s > 0 else None)
         lookup = _attr_lookup(g, env)
         for n in nodes:
             if stage_of.get(n) == s and n.op not in ("placeholder", "output"):
                 env[n] = g.node_copy(n, lookup)
         last = s == num_stages - 1
-        if last:
-            g.output(fx.map_arg(output.args[0], lookup))
-        else:
+        if not last:
             g.output(tuple(_passed(g, env[v], v in inputs) for v in carries[s]))
+        elif s == 0:
+            g.output(fx.map_arg(output.args[0], lookup))
+        else:  # the model's output structure, rebuilt from the graph's flat outputs
+            flat_out = fx.map_arg(list(output.args[0]), lookup)
+            g.output(g.call_function(pytree.tree_unflatten, (flat_out, g.get_attr(_OUT_SPEC))))
         if s == 0:
             g._codegen = _PyTreeCodeGen(
                 _PyTreeInfo(list(info.orig_args), info.in_spec, info.out_spec if last else None)
             )
-        elif last:  # a plain list of inputs, the model's output structure
-            names = [p.name for p in g.nodes if p.op == "placeholder"]
-            g._codegen = _PyTreeCodeGen(_PyTreeInfo(names, pytree.tree_structure(list(names)), info.out_spec))
         stage = fx.GraphModule(flat, g, class_name=f"PipeStage{s}")
         _keep_model_state_keys(state_keys, stage)
         stages[f"submod_{s}"] = stage
     return Pipe(_top_graph(stages, placeholders, carries, info), num_stages)
+
+
+_OUT_SPEC = "output_spec"
+
+
+def _stage_inputs(g: fx.Graph, inputs: Sequence[fx.Node], ignored: Sequence[str] | None) -> dict[fx.Node, fx.Node]:
+    """Placeholders for ``inputs`` (positional), then, after the first stage, the model's own
+    input names as keywords that are accepted and ignored: a schedule's ``step()`` hands its
+    keyword inputs to every stage of the rank it runs on, and a later stage gets those values
+    from the stage before it (on any rank) instead."""
+    reserved = set(ignored or ())
+    used: set[str] = set()
+    env: dict[fx.Node, fx.Node] = {}
+    for v in inputs:
+        name = v.name
+        while name in reserved or name in used:
+            name += "_"
+        used.add(name)
+        env[v] = g.placeholder(name)
+        env[v].meta = dict(v.meta)
+    for name in ignored or ():
+        g.placeholder(name, default_value=None)
+    return env
 
 
 def _check_flat_inputs(info: _PyTreeInfo) -> None:
@@ -437,9 +458,8 @@ def _chain_link(stage_module: torch.nn.Module, stage_index: int, top: fx.Graph, 
     carries = _carries(nodes, stage_of, num_stages)
     g = fx.Graph()
     inputs = [n for n in nodes if n.op == "placeholder"] if stage_index == 0 else carries[stage_index - 1]
-    env: dict[fx.Node, Any] = {}
-    for v in inputs:
-        env[v] = g.placeholder(v.name)
+    roots = [str(n.target) for n in nodes if n.op == "placeholder"]
+    env: dict[fx.Node, Any] = dict(_stage_inputs(g, inputs, roots if stage_index > 0 else None))
     call = calls[stage_index]
     for n in nodes:
         if stage_of.get(n) != stage_index or n.op == "placeholder":

@@ -140,8 +140,9 @@ def test_pipe_runs_the_model_and_keeps_its_names() -> None:
     assert sorted(keys) == sorted(model.state_dict()), "stage state_dict keys are the model's, each once"
     assert "offset" not in keys  # a non-persistent buffer stays out of checkpoints
     # A stage between the skip's ends forwards h0 and the mask without using them.
-    middle = [n.name for n in pipe.get_stage_module(2).graph.nodes if n.op == "placeholder"]
-    assert len(middle) == 3, middle
+    # (Then the model's input names, accepted and ignored: those values come along the chain.)
+    middle = [n.target for n in pipe.get_stage_module(2).graph.nodes if n.op == "placeholder"]
+    assert middle[3:] == ["x", "mask"] and len(middle) == 5, middle
     # pipe_split() inside forward cuts where split_spec would, and runs eagerly as a no-op.
     marked = skipnet(marked=True)
     torch.testing.assert_close(marked(x, mask=mask), model(x, mask=mask))
@@ -211,8 +212,7 @@ def test_clear_errors_for_bad_input() -> None:
 
 # ---------------------------------------------------------------------------------- gloo ranks
 def _train_and_eval(
-    stage_module: nn.Module,
-    stage: Any,
+    stages: list[Any],
     model: nn.Module,
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
     x: torch.Tensor,
@@ -220,18 +220,24 @@ def _train_and_eval(
     case: str,
     **kw: torch.Tensor,
 ) -> None:
-    """1F1B training (gradients of the unsplit model) then GPipe forward-only (its outputs)."""
-    from pipetrain import Schedule1F1B, ScheduleGPipe
+    """Training (gradients of the unsplit model) then forward-only (its outputs): 1F1B and GPipe
+    for one stage per rank, Interleaved1F1B for several."""
+    from pipetrain import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-    first, last = stage.is_first, stage.is_last
+    first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
+    held: Any = stages[0] if len(stages) == 1 else stages
+    train, forward_only = (Schedule1F1B, ScheduleGPipe) if len(stages) == 1 else (ScheduleInterleaved1F1B,) * 2
+    model.zero_grad(set_to_none=True)  # the stages share the model's parameters
     expected = reference_grads(model, loss_fn, x, y, **kw)
     losses: list[torch.Tensor] = []
-    Schedule1F1B(stage, M, loss_fn=loss_fn).step(
+    # Keyword inputs go to step() on the first stage's rank, as Accelerate does.
+    train(held, M, loss_fn=loss_fn).step(
         *((x,) if first else ()), **(kw if first else {}), target=y if last else None, losses=losses
     )
-    check_stage_grads(stage_module, expected, case)
+    for stage in stages:
+        check_stage_grads(stage.submod, expected, f"{case}, stage {stage.stage_index}")
     with torch.no_grad():
-        out = ScheduleGPipe(stage, M).step(*((x,) if first else ()), **(kw if first else {}))
+        out = forward_only(held, M).step(*((x,) if first else ()), **(kw if first else {}))
         if last:
             want = model(x, **kw)
             got, ref = (out.logits, want.logits) if hasattr(want, "logits") else (out, want)
@@ -287,8 +293,14 @@ def _two_ranks(rank: int, world: int) -> list[str]:
     pipe = pipeline(model, (x[:MB],), {"mask": mask[:MB]}, split_spec=split_at("blocks.2"))
     stage = pipe.build_stage(rank, "cpu")
     assert stage.submod is pipe.get_stage_module(rank)
-    _train_and_eval(stage.submod, stage, model, nn.functional.mse_loss, x, y, "skipnet", mask=mask)
+    _train_and_eval([stage], model, nn.functional.mse_loss, x, y, "skipnet", mask=mask)
     done.append("skipnet")
+    # Two stages per rank: the keyword input reaches stage 2 on rank 0 through step() too, and
+    # comes to it along the chain from stage 1 on rank 1.
+    pipe = pipeline(model, (x[:MB],), {"mask": mask[:MB]}, split_spec=split_at("blocks.1", "blocks.2", "blocks.3"))
+    stages = [pipe.build_stage(s, "cpu") for s in (rank, rank + world)]
+    _train_and_eval(stages, model, nn.functional.mse_loss, x, y, "skipnet interleaved", mask=mask)
+    done.append("skipnet interleaved")
     # A Pipe made by torch's own pipeline(), through pipetrain's build_stage.
     from torch.distributed.pipelining import SplitPoint as TorchSplitPoint
     from torch.distributed.pipelining import pipeline as torch_pipeline
@@ -298,7 +310,7 @@ def _two_ranks(rank: int, world: int) -> list[str]:
     tmod = tpipe.get_stage_module(rank)
     stage = build_stage(tmod, rank, tpipe.info(), "cpu")
     assert set(stage.submod.state_dict()) == set(tmod.state_dict()), "names kept through the rewrite"
-    _train_and_eval(stage.submod, stage, model, nn.functional.mse_loss, x, y, "torch-built pipe", mask=mask)
+    _train_and_eval([stage], model, nn.functional.mse_loss, x, y, "torch-built pipe", mask=mask)
     done.append("torch pipe")
     return done
 
@@ -321,21 +333,21 @@ def _four_ranks(rank: int, world: int) -> list[str]:
         )
         assert pipe.num_stages == 3
         stage = pipe.build_stage(rank, "cpu", group=group)
-        _train_and_eval(stage.submod, stage, model, lm_loss, ids, target, "gpt2", attention_mask=attention)
+        _train_and_eval([stage], model, lm_loss, ids, target, "gpt2", attention_mask=attention)
         done.append("gpt2")
     # Four stages: the skip travels through two stages between; the mask through three.
     model = skipnet()
     x, mask, y = skip_data()
     pipe = pipeline(model, (x[:MB],), {"mask": mask[:MB]}, split_spec=split_at("blocks.1", "blocks.2", "blocks.3"))
     stage = pipe.build_stage(rank, "cpu")
-    _train_and_eval(stage.submod, stage, model, nn.functional.mse_loss, x, y, "skipnet x4", mask=mask)
+    _train_and_eval([stage], model, nn.functional.mse_loss, x, y, "skipnet x4", mask=mask)
     done.append("skipnet")
     return done
 
 
 @pytest.mark.slow
 def test_two_gloo_ranks() -> None:
-    assert run_ranks(_two_ranks, 2) == [["accelerate gpt2", "skipnet", "torch pipe"]] * 2
+    assert run_ranks(_two_ranks, 2) == [["accelerate gpt2", "skipnet", "skipnet interleaved", "torch pipe"]] * 2
 
 
 @pytest.mark.slow
