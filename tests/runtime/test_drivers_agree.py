@@ -70,6 +70,8 @@ def _local(name: str, num_stages: int) -> dict[str, Any]:
 def _ranks(rank: int, world: int) -> dict[str, Any]:
     from pipetrain import PipelineStage, get_schedule_class
     from pipetrain.plan import build_schedule
+    from pipetrain.plan.passes.early_recv import post_receives_early
+    from pipetrain.runtime import DEFAULT_RECV_AHEAD
 
     results: dict[str, Any] = {}
     for name, num_stages in CASES:
@@ -78,6 +80,9 @@ def _ranks(rank: int, world: int) -> dict[str, Any]:
         mine = sorted(s for s, r in placement.items() if r == rank)
         stages = [PipelineStage(layers[s], s, num_stages, "cpu") for s in mine]
         sched = get_schedule_class(name)(stages if len(stages) > 1 else stages[0], M, loss_fn=nn.functional.mse_loss)
+        # What runs is the lowered schedule with gloo's early receives, visible as such.
+        lowered = build_schedule(name, world, M, num_stages // world).lower()
+        assert sched.pipeline_order_with_comms == post_receives_early(lowered, DEFAULT_RECV_AHEAD).actions
         results[name] = _script(sched, mine, layers)
     # A target given where the last stage is not held is an error naming the rank; the other rank
     # learns of it instead of waiting.
@@ -101,7 +106,11 @@ def _merge(parts: list[dict[str, Any]], name: str) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-def test_the_same_script_gives_the_same_results_in_one_process_and_on_gloo_ranks() -> None:
+def test_the_same_script_gives_the_same_results_in_one_process_and_on_gloo_ranks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("PIPETRAIN_SINGLE_TAG", raising=False)
+    monkeypatch.delenv("PIPETRAIN_RECV_AHEAD", raising=False)
     parts = run_ranks(_ranks, 2)
     for name, num_stages in CASES:
         local = _local(name, num_stages)

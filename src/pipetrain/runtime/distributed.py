@@ -195,10 +195,14 @@ class PipelineScheduleRuntime(StepDriver):
         )
 
     def _dump_csv(self, filename: str, format: str = "compute_only") -> None:
-        """Write this runtime's schedule in torch's CSV format (torch's method of the same name)."""
+        """Write this runtime's schedule in torch's CSV format (torch's method of the same name).
+
+        ``compute_comms`` writes the lowered schedule without the gloo-only early receives, so
+        the file runs on any backend (loading it on gloo moves them again).
+        """
         if format not in ("compute_only", "compute_comms"):
             raise ValueError(f"format must be 'compute_only' or 'compute_comms', got {format!r}")
-        (self._planned if format == "compute_only" else self.schedule).to_csv(filename)
+        (self._planned if format == "compute_only" else self._prepared.base).to_csv(filename)
 
     # -------------------------------------------------------------- set-up
     def _rank_and_world(self) -> tuple[int, int]:
