@@ -105,3 +105,25 @@ def test_cut_into_divides_a_ranks_share_and_keeps_per_stage_measurements() -> No
     measured = Costs(f=[1, 2, 2, 1], b=4)
     assert measured.cut_into(2) is measured  # per-stage measurements: the stages as they are
     assert share.cut_into(1) is share
+
+
+def test_cli_plan_from_profile_constructs_where_no_named_schedule_fits(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A measured costs file (as `pipetrain train --out` writes costs.txt), a limit below every
+    named schedule's memory: the plan is constructed, written, and simulate reproduces it."""
+    profile = tmp_path / "costs.txt"
+    profile.write_text("f=1:1:1:1:1:1:1:1.6,b=2:2:2:2:2:2:2:3.2,comm=0.1,bytes=1:1:1:1:1:1:1:1\n")
+    out = tmp_path / "auto.csv"
+    argv = ["plan", "-p", "4", "-m", "8", "--from-profile", str(profile), "--memory-limit", "4"]
+    assert main([*argv, "--time-limit", "1", "--csv", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "no named schedule fits this memory limit; the constructed one does" in text
+    chosen = next(line for line in text.splitlines() if line.startswith("->")).split()
+    assert chosen[0] == "->Auto"
+    assert main(["simulate", str(out), "--costs", profile.read_text().strip(), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert f"{result['makespan']:.4g}" == chosen[2]
+    assert max(result["peak_memory_bytes"].values()) <= 4
+    assert main(["plan", "-p", "4", "-m", "8", "--from-profile", str(tmp_path / "missing.txt")]) == 1
+    assert "--from-profile" in capsys.readouterr().err

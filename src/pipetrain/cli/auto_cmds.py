@@ -1,4 +1,5 @@
-"""``pipetrain plan``: rank every schedule for measured costs and a memory limit, keep the best."""
+"""``pipetrain plan``: construct the fastest schedule for measured costs and a memory limit, beside
+the named schedules it had to beat."""
 
 from __future__ import annotations
 
@@ -9,27 +10,38 @@ from typing import Any
 from pipetrain.cli.common import OUTPUT_NAMING, schedule_output, write_schedule
 from pipetrain.plan.costs import Costs
 from pipetrain.plan.errors import ScheduleError
-from pipetrain.plan.search import rank_schedules
+from pipetrain.plan.search import plan_schedule, rank_schedules
+from pipetrain.plan.simulate import simulate
 
 
 def register(subparsers: Any) -> None:
     plan = subparsers.add_parser(
         "plan",
-        help="pick the fastest schedule for given costs within a memory limit (simulated)",
-        description="Simulate every schedule family and stages-per-rank choice for the given costs, list them "
-        "fastest first with their peak memory, and keep the fastest that fits --memory-limit (written with "
+        help="construct the fastest schedule for given costs within a memory limit (simulated)",
+        description="Simulate every named schedule and stages-per-rank choice for the given costs, list them "
+        "fastest first with their peak memory, then construct per-rank orders (auto_schedule) that beat the "
+        "fastest one that fits --memory-limit, or fit where none does; keep the best (written with "
         "--csv/--json, ready for `pipetrain train --schedule FILE`).",
     )
     plan.add_argument("--ranks", "-p", type=int, required=True, help="number of pipeline ranks P")
     plan.add_argument("--microbatches", "-m", type=int, required=True, help="number of microbatches M")
     plan.add_argument("--stages-per-rank", "-v", type=int, default=None, help="only this many stages per rank")
-    plan.add_argument(
+    costs = plan.add_mutually_exclusive_group()
+    costs.add_argument(
         "--costs",
         default="f=1,b=2",
         help="durations of one rank's share of the model, e.g. f=1,b=2,i=1,w=1,comm=0.1: a schedule with v "
         "stages per rank runs each stage in 1/v of them, so every candidate runs the same model; or one value "
         "per stage with ':' (e.g. f=2:1:1:2), which fixes the number of stages",
     )
+    costs.add_argument(
+        "--from-profile",
+        metavar="FILE",
+        help="read the costs from a file written by `pipetrain profile` or `pipetrain train --out` (costs.txt: "
+        "one value per stage, as measured)",
+    )
+    plan.add_argument("--time-limit", type=float, default=10.0, help="seconds the construction may search (default 10)")
+    plan.add_argument("--placement", choices=("loop", "v"), default=None, help="only this layout of 2 stages per rank")
     plan.add_argument(
         "--memory-limit",
         type=float,
@@ -60,42 +72,72 @@ def _plan(args: argparse.Namespace) -> int:
     limit = args.memory_limit
     if limit is not None and not (math.isfinite(limit) and limit >= 0):
         raise ScheduleError(f"--memory-limit must be a finite number >= 0, got {limit:g}")
-    costs = Costs.parse(args.costs)
+    costs = _read_costs(args)
     target = schedule_output(args)
     ranked = rank_schedules(
         args.ranks, args.microbatches, costs, args.memory_limit, stages_per_rank=args.stages_per_rank
     )
-    if not ranked:
-        raise ScheduleError(f"no schedule accepts {args.ranks} ranks and {args.microbatches} microbatches")
     print(f"costs: {costs}   memory limit: {'none' if args.memory_limit is None else f'{args.memory_limit:g}'}")
     header = f"{'':2}{'schedule':24}{'v':>3}{'makespan':>11}{'bubble':>9}{'memory':>9}  fits"
     print(header)
     for cand in ranked[: max(1, args.top)]:
-        mark = "->" if cand is ranked[0] and cand.fits else ""
         print(
-            f"{mark:2}{cand.name:24}{cand.stages_per_rank:>3}{cand.result.makespan:>11.4g}"
+            f"{'':2}{cand.name:24}{cand.stages_per_rank:>3}{cand.result.makespan:>11.4g}"
             f"{100 * cand.result.bubble:>8.1f}%{cand.memory:>9.2f}  {'yes' if cand.fits else 'no'}"
         )
-    best = ranked[0]
-    if not best.fits:
-        least = min(ranked, key=lambda c: c.memory)
-        raise ScheduleError(
-            f"no schedule fits --memory-limit {args.memory_limit:g}; the least memory is {least.memory:g} "
-            f"({least.name}, {least.stages_per_rank} stages per rank)"
+    found = plan_schedule(
+        args.ranks,
+        args.microbatches,
+        costs,
+        args.memory_limit,
+        stages_per_rank=args.stages_per_rank,
+        placement=args.placement,
+        time_limit=args.time_limit,
+    )
+    chosen = found.schedule
+    chosen.validate()
+    v = chosen.num_stages // args.ranks
+    stage_costs = costs.cut_into(v)
+    result = simulate(chosen, stage_costs)
+    layout = "V" if v == 2 and chosen.stage_to_rank.get(2 * args.ranks - 1) == 0 else "loop"
+    print(
+        f"{'->':2}{chosen.name:24}{v:>3}{result.makespan:>11.4g}{100 * result.bubble:>8.1f}%{found.memory:>9.2f}"
+        f"  yes  ({layout} placement)"
+    )
+    named = found.best_named
+    if named is None:
+        print("no named schedule fits this memory limit; the constructed one does")
+    elif chosen.name == "Auto":
+        print(
+            f"constructed: {named.result.makespan / result.makespan:.4f}x faster than {named.name}, the best named "
+            f"schedule that fits (makespan {named.result.makespan:.4g})"
         )
-    best.schedule.validate()
-    stage_costs = costs.cut_into(best.stages_per_rank)
+    else:
+        print(f"{named.name} stays the best: nothing constructed in {args.time_limit:g} s beat it")
     if stage_costs != costs:
         # simulate takes costs per stage: say which ones reproduce these numbers for the file.
-        v = best.stages_per_rank
         activations = (
-            f"; its memory {best.memory:g} is {best.memory * v:g} stage activations, as simulate counts"
+            f"; its memory {found.memory:g} is {found.memory * v:g} stage activations, as simulate counts"
             if costs.activation_bytes is None
             else ""
         )
-        print(f"{best.name} with {v} stages per rank: each stage costs {stage_costs}{activations}")
+        print(f"with {v} stages per rank each stage costs {stage_costs}{activations}")
     if target is not None:
-        path = write_schedule(best.schedule, target)
+        path = write_schedule(chosen, target)
         print(f"wrote {path}")
         print(f"check it: pipetrain simulate {path} --costs '{stage_costs}'")
     return 0
+
+
+def _read_costs(args: argparse.Namespace) -> Costs:
+    if args.from_profile is None:
+        return Costs.parse(args.costs)
+    try:
+        with open(args.from_profile, encoding="utf-8") as handle:
+            text = handle.read().strip()
+    except OSError as exc:
+        raise ScheduleError(f"--from-profile {args.from_profile}: cannot read it ({exc.strerror})") from None
+    try:
+        return Costs.parse(text)
+    except ScheduleError as exc:
+        raise ScheduleError(f"--from-profile {args.from_profile}: {exc}") from None
