@@ -1,29 +1,12 @@
 """Split backward for arbitrary modules: input gradients now (I), weight gradients later (W).
 
-Nothing here needs custom autograd ops. The autograd graph of one microbatch is split in two:
-
-* ``X``: the nodes from which a stage input can be reached. The I pass runs exactly these (one
-  ``autograd.grad`` call towards the inputs), so it computes nothing the previous stage does not
-  need: e.g. a Linear's backward node computes ``grad_x`` but skips ``grad_W``.
-* the weight region: nodes outside ``X`` that lead to a weight (any leaf that is not an input).
-
-An *entry* is an ``X`` node with a child in the weight region (for a Linear: its matmul node), or
-an output root outside ``X`` that leads to a weight. During I, a pre-hook on every ``X`` entry
-keeps the gradient it received — the only thing I computed that W needs. W re-runs each entry
-from that kept gradient, asking autograd for weight gradients only, so autograd evaluates just the
-entries' weight edges and the weight region: I's work is not redone.
-
-Entries whose weight regions touch (a weight shared between them) are run in one engine call, so
-shared nodes run once. In W a pre-hook pins every entry to its kept gradient: the kept gradient
-already went through the entry's tensor hooks (``Tensor.register_hook`` on an intermediate, run
-before node pre-hooks), which must not apply twice; and if one entry of a group can reach another
-through ``X`` (a weight used twice along one path, e.g. tied weights), the call also pushes
-gradients along ``X``, and the pins keep the result exact.
-
-Memory: saved tensors of one microbatch go through :class:`SavedTensors`. After I, the ones only
-``X`` nodes outside the entries used are released, so between I and W a microbatch keeps just
-what its weight gradients need; after B or W everything is released even if the caller still
-holds the outputs or the loss.
+The autograd graph of a microbatch is cut in two, with no custom autograd op: ``X``, the nodes
+that reach a stage input (I runs exactly these), and the weight region. During I a pre-hook on
+each *entry* (an ``X`` node with a child in the weight region) keeps the gradient it received; W
+re-runs the entries from those gradients asking for weight gradients only, so I's work is not
+redone. Saved tensors go through :class:`SavedTensors`, so between I and W a microbatch keeps
+only what its weight gradients need. Why this is exact (shared and tied weights, tensor hooks)
+and what it costs: docs/stage-and-split-backward.md.
 """
 
 from __future__ import annotations
