@@ -424,8 +424,43 @@ def build_stage(
         stage_module if isinstance(pipe_info, PipeInfo) else _chain_link(stage_module, stage_index, graph, num_stages)
     )
     stage = PipelineStage(module, stage_index, num_stages, device, group=group)
+    if isinstance(module, fx.GraphModule):
+        _retarget_devices(module, stage.device)
     module.to(stage.device)
     return stage
+
+
+def _traced_device(module: fx.GraphModule) -> torch.device | None:
+    """The device the module was traced on: its tensors', else its example inputs'."""
+    for t in (*module.parameters(), *module.buffers()):
+        return t.device
+    for n in module.graph.nodes:
+        val = n.meta.get("val") if n.op == "placeholder" else None
+        if isinstance(val, torch.Tensor):
+            return val.device
+    return None
+
+
+def _retarget_devices(module: fx.GraphModule, device: torch.device) -> None:
+    """Tracing bakes the example's device into the graph (``arange(device=cpu)``, ``.to(cpu)``);
+    point those at the stage's device, as moving the parameters alone would not."""
+    old = _traced_device(module)
+    if old is None or old == device:
+        return
+
+    def swap(value: Any) -> Any:
+        if isinstance(value, torch.device) and value.type == old.type and value.index in (None, old.index):
+            return device
+        return value
+
+    changed = False
+    for n in module.graph.nodes:
+        if n.op == "call_function":
+            args, kwargs = fx.node.map_aggregate(n.args, swap), fx.node.map_aggregate(n.kwargs, swap)
+            if args != n.args or kwargs != n.kwargs:
+                n.args, n.kwargs, changed = args, kwargs, True
+    if changed:
+        module.recompile()
 
 
 def _chain_link(stage_module: torch.nn.Module, stage_index: int, top: fx.Graph, num_stages: int) -> fx.GraphModule:

@@ -138,6 +138,9 @@ def test_pipe_runs_the_model_and_keeps_its_names() -> None:
             assert p is own[name], name
         keys += list(sub.state_dict())
     assert sorted(keys) == sorted(model.state_dict()), "stage state_dict keys are the model's, each once"
+    fresh = SkipNet()
+    fresh.load_state_dict({k: v for s in range(4) for k, v in pipe.get_stage_module(s).state_dict().items()})
+    torch.testing.assert_close(fresh(x, mask=mask), model(x, mask=mask))
     assert "offset" not in keys  # a non-persistent buffer stays out of checkpoints
     # A stage between the skip's ends forwards h0 and the mask without using them.
     # (Then the model's input names, accepted and ignored: those values come along the chain.)
@@ -159,6 +162,21 @@ def test_pipe_runs_the_model_and_keeps_its_names() -> None:
     whole = pipeline(model, (x[:MB],), {"mask": mask[:MB]})
     assert whole.num_stages == 1
     torch.testing.assert_close(whole.get_stage_module(0)(x[:MB], mask=mask[:MB]), model(x[:MB], mask=mask[:MB]))
+
+
+def test_stage_on_another_device_than_the_trace() -> None:
+    """The example's device baked into the graph (GPT-2's ``arange(device=cpu)``) follows the
+    stage to its device, as it must for Accelerate, which traces on the CPU and runs on GPUs.
+    The meta device stands in for a GPU here: a CPU tensor made inside the stage would fail."""
+    torch.set_num_threads(1)
+    model = gpt2()
+    ids, attention, _ = gpt2_data()
+    pipe = pipeline(model, (ids[:MB],), {"attention_mask": attention[:MB]}, split_spec=split_at("transformer.h.2"))
+    stage = pipe.build_stage(0, "meta")
+    assert "cpu" not in stage.submod.code
+    out = stage.submod(ids[:MB].to("meta"), attention_mask=attention[:MB].to("meta"))
+    assert all(t.device.type == "meta" for t in out)
+    assert {p.device.type for p in stage.submod.parameters()} == {"meta"}
 
 
 def test_clear_errors_for_bad_input() -> None:
