@@ -41,6 +41,7 @@ _LAZY = {
     "SplitPoint": "pipetrain.tracing",
     "Pipe": "pipetrain.tracing",
     "build_stage": "pipetrain.tracing",
+    "Checkpointer": "pipetrain.checkpoint",
     "PipelineError": "pipetrain.errors",
     "ScheduleError": "pipetrain.errors",
 }
