@@ -82,6 +82,19 @@ def register(subparsers: Any) -> None:
         metavar="MAX",
         help="clip the gradients to this norm of the whole model, taken across the pipeline's ranks (e.g. 1.0)",
     )
+    train.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        default=None,
+        help="save checkpoints there and resume from the latest complete one (e.g. after torchrun restarts the job)",
+    )
+    train.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=None,
+        metavar="N",
+        help="steps between checkpoints (default 10; one is written after the last step too); needs --checkpoint-dir",
+    )
     train.set_defaults(func=_train)
 
 
@@ -95,7 +108,7 @@ def _train(args: argparse.Namespace) -> int:
     from pipetrain.train.launch import spawn, torchrun_env
     from pipetrain.train.loop import TrainConfig, plan_for, run_rank
 
-    for name in ("ranks", "stages_per_rank", "microbatches", "steps", "batch_size"):
+    for name in ("ranks", "stages_per_rank", "microbatches", "steps", "batch_size", "checkpoint_every"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise PipelineError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -123,6 +136,16 @@ def _train(args: argparse.Namespace) -> int:
         mb_source = f"the {microbatches} microbatches of {args.schedule}"
         if env is None and ranks is None:
             ranks = planned.num_ranks
+    if args.checkpoint_every is not None and args.checkpoint_dir is None:
+        raise PipelineError("--checkpoint-every needs --checkpoint-dir (where the checkpoints go)")
+    if (
+        args.checkpoint_dir is not None
+        and os.path.exists(args.checkpoint_dir)
+        and not os.path.isdir(args.checkpoint_dir)
+    ):
+        raise PipelineError(
+            f"--checkpoint-dir {args.checkpoint_dir} is a file; give a directory (it is created if missing)"
+        )
     out = args.out or f"runs/{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
     if os.path.exists(out) and not os.path.isdir(out):  # found now, not after the whole run
         raise PipelineError(f"--out {out} is a file; give a directory (it is created if missing)")
@@ -140,6 +163,8 @@ def _train(args: argparse.Namespace) -> int:
         model=args.model,
         lr=args.lr,
         clip_grad_norm=args.clip_grad_norm,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every or 10,
     )
     if args.clip_grad_norm is not None and not args.clip_grad_norm > 0:
         raise PipelineError(f"--clip-grad-norm must be > 0, got {args.clip_grad_norm}")

@@ -10,6 +10,8 @@ pipelining to compare losses.
 from __future__ import annotations
 
 import math
+import os
+import signal
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -19,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipetrain.checkpoint import Checkpointer, Resumed
 from pipetrain.errors import PipelineError
 from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.generators import build_schedule
@@ -28,9 +31,12 @@ from pipetrain.train.launch import DistEnv, init_process_group
 from pipetrain.train.model import GPT, MODEL_SIZES, GPTConfig, lm_loss
 from pipetrain.train.progress import StepReporter
 
-__all__ = ["CHECK_RTOL", "TrainConfig", "TrainResult", "plan_for", "reference_losses", "run_rank"]
+__all__ = ["CHECK_RTOL", "KILL_HOOK", "TrainConfig", "TrainResult", "plan_for", "reference_losses", "run_rank"]
 
 CHECK_RTOL = 1e-4
+# Test hook: "RANK:STEP" makes that rank SIGKILL itself before that step, on torchrun's first
+# attempt only (TORCHELASTIC_RESTART_COUNT unset or 0), to show that a restart resumes exactly.
+KILL_HOOK = "PIPETRAIN_TEST_KILL_AT"
 
 
 @dataclass
@@ -52,6 +58,8 @@ class TrainConfig:
     clip_grad_norm: float | None = None  # max norm of the whole model's gradients; None: no clipping
     max_text_bytes: int = 4 * 1024 * 1024
     timeout_s: float = 300.0
+    checkpoint_dir: str | None = None  # save there and resume from the latest complete checkpoint in it
+    checkpoint_every: int = 10  # steps between checkpoints (one is written after the last step too)
 
     @property
     def model_config(self) -> GPTConfig:
@@ -126,6 +134,9 @@ def _train(env: DistEnv, cfg: TrainConfig, device: torch.device) -> TrainResult 
     params = [p for s in mine for p in parts[s].parameters()]
     optimizer = torch.optim.Adam(params, lr=cfg.lr)
     data = TextData.from_stdlib(cfg.max_text_bytes)
+    ckpt = Checkpointer(cfg.checkpoint_dir, keep=2) if cfg.checkpoint_dir else None
+    resumed = _resume(ckpt, stages, optimizer)
+    start = min(resumed.step, cfg.steps)
 
     reporting = last_stage in mine
     has_first = 0 in mine
@@ -133,7 +144,8 @@ def _train(env: DistEnv, cfg: TrainConfig, device: torch.device) -> TrainResult 
         print(
             f"model {cfg.model!r} grown to {mcfg.n_layers} blocks: one layer at least for each of {num_stages} stages"
         )
-    result = TrainResult() if reporting else None
+    result = _result_so_far(resumed, start, cfg.steps) if reporting else None
+    kill_at = _kill_step(env.rank)
     reporter = (
         StepReporter(cfg.steps, title=f"{schedule.name or 'schedule'} × {env.world_size} ranks") if reporting else None
     )
@@ -141,7 +153,9 @@ def _train(env: DistEnv, cfg: TrainConfig, device: torch.device) -> TrainResult 
     measured = None
     origin = 0.0
     try:
-        for step in range(cfg.steps):
+        for step in range(start, cfg.steps):
+            if step == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
             x, y = data.batch(step, cfg.batch_size, mcfg.seq_len, seed=cfg.seed)
             args = (x.to(device),) if has_first else ()
             kwargs: dict[str, Any] = {"target": y.to(device), "losses": []} if reporting else {}
@@ -161,6 +175,8 @@ def _train(env: DistEnv, cfg: TrainConfig, device: torch.device) -> TrainResult 
                     result.grad_norms.append(float(norm))
                 result.step_times.append(dt)
                 reporter.update(step, loss, tokens / dt)
+            if ckpt is not None and ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps):
+                _save(ckpt, step + 1, stages, optimizer, result, schedule.stage_to_rank[last_stage])
         measured = _gather_timeline(sched, env, origin)
         # Held-out loss: a forward-only pass of the same schedule (eval works on every schedule).
         xe, ye = data.batch(0, cfg.batch_size, mcfg.seq_len, seed=cfg.seed, split="eval")
@@ -171,7 +187,28 @@ def _train(env: DistEnv, cfg: TrainConfig, device: torch.device) -> TrainResult 
         if reporter is not None:
             reporter.close()
 
-    if reporting and result is not None:
+    if result is not None:
+        _conclude(cfg, result, start, schedule, measured, tokens, device)
+    dist.barrier()
+    if reporting and result is not None and result.reference is not None and not _agrees(result):
+        raise PipelineError(_mismatch(result))
+    return result
+
+
+def _conclude(
+    cfg: TrainConfig,
+    result: TrainResult,
+    start: int,
+    schedule: Schedule,
+    measured: Any,
+    tokens: int,
+    device: torch.device,
+) -> None:
+    """On the reporting rank: the final line, the outputs, and the --check reference."""
+    num_stages = schedule.num_stages
+    if start == cfg.steps:
+        print(f"nothing left to train: the checkpoint is at step {start} of {cfg.steps}", flush=True)
+    else:
         print(
             f"final loss {result.losses[-1]:.4f} (first {result.losses[0]:.4f}) after {cfg.steps} steps; "
             f"held-out loss {result.eval_loss:.4f}",
@@ -188,10 +225,39 @@ def _train(env: DistEnv, cfg: TrainConfig, device: torch.device) -> TrainResult 
                 cfg, device, schedule.num_microbatches, num_stages, grad_norms=result.reference_grad_norms
             )
             _report_check(result)
-    dist.barrier()
-    if reporting and result is not None and result.reference is not None and not _agrees(result):
-        raise PipelineError(_mismatch(result))
+
+
+def _resume(ckpt: Checkpointer | None, stages: list[Any], optimizer: Any) -> Resumed:
+    """The latest complete checkpoint loaded into this rank's stages and optimizer (step 0 without one)."""
+    return ckpt.load(stages, optimizer) if ckpt is not None else Resumed()
+
+
+def _result_so_far(resumed: Resumed, start: int, steps: int) -> TrainResult:
+    """The reporting rank's result, holding the losses of the steps a checkpoint already covers."""
+    result = TrainResult()
+    if resumed.path is not None:
+        result.losses = list(resumed.extra.get("losses", []))[:start]
+        result.grad_norms = list(resumed.extra.get("grad_norms", []))[:start]
+        print(f"resumed from {resumed.path} after {start} of {steps} steps", flush=True)
     return result
+
+
+def _kill_step(rank: int) -> int | None:
+    """The step before which this rank kills itself (the test hook ``KILL_HOOK``), else None."""
+    hook = os.environ.get(KILL_HOOK)
+    if not hook or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return None
+    who, _, when = hook.partition(":")
+    return int(when) if int(who) == rank else None
+
+
+def _save(
+    ckpt: Checkpointer, step: int, stages: list[Any], optimizer: Any, result: TrainResult | None, src: int
+) -> None:
+    """Save after ``step`` steps; the losses so far (on the last stage's rank) go with it, through rank 0."""
+    box: list[Any] = [None if result is None else {"losses": result.losses, "grad_norms": result.grad_norms}]
+    dist.broadcast_object_list(box, src=src)
+    ckpt.save(step, stages, optimizer, extra=box[0])
 
 
 def _report_outputs(out: Path, files: list[str]) -> None:
