@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from pathlib import Path
 
 import pytest
 from hypothesis import assume, given, settings
@@ -403,3 +404,25 @@ def test_peak_memory_does_not_depend_on_durations(name: str) -> None:
     assert simulate(s, Costs(f=0, b=0)).peak_memory == reference
     assert simulate(s, Costs(f=0, b=2, i=0, w=2)).peak_memory == reference
     assert simulate(s, Costs(f=1, b=0, i=0, w=0, overlap=1)).peak_memory == reference
+
+
+def test_simulate_and_validate_word_a_broken_schedule_alike(tmp_path: Path) -> None:
+    """One broken CSV, one message: the rule validate names, not a generic 'no rank can proceed'."""
+    from pipetrain.plan import Schedule, ScheduleError, simulate
+
+    path = tmp_path / "bad.csv"
+    path.write_text("0F0,0B0\n1B0,1F0\n")
+    schedule = Schedule.from_csv(path)
+    with pytest.raises(ScheduleError) as by_validate:
+        schedule.validate()
+    with pytest.raises(ScheduleError) as by_simulate:
+        simulate(schedule, Costs())
+    assert str(by_simulate.value) == str(by_validate.value)
+    assert "1B0: needs 1F0, which rank 1 runs later (step 1)" in str(by_simulate.value)
+
+
+def test_one_microbatch_is_not_plural() -> None:
+    from pipetrain.plan import build_schedule, simulate
+
+    title = simulate(build_schedule("1F1B", 1, 1), Costs()).title
+    assert "1 rank, 1 stage, 1 microbatch |" in title

@@ -15,6 +15,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from pipetrain.plan._jsonio import is_json_text, parse_json_text, read_json, read_json_file, read_text
+from pipetrain.plan._text import count
 from pipetrain.plan.actions import Action, ActionKind
 from pipetrain.plan.errors import ScheduleError
 
@@ -92,14 +93,12 @@ def _microbatch_gap(
         if m < num_microbatches:
             if largest and max_mb + 1 == num_microbatches:
                 return (
-                    f"{largest}microbatch {max_mb} implies {num_microbatches} microbatches, but stage {stage} "
+                    f"{largest}microbatch {max_mb} implies {count(num_microbatches, 'microbatches')}, but stage {stage} "
                     f"has no forward {stage}F{m}; {rule}"
                 )
-            return f"the schedule has {num_microbatches} microbatches, but stage {stage} has no forward {stage}F{m}; {rule}"
+            return f"the schedule has {count(num_microbatches, 'microbatches')}, but stage {stage} has no forward {stage}F{m}; {rule}"
     # Unreachable: fewer action slots than (stage, microbatch) pairs leaves some pair without an F.
-    return (
-        f"the schedule has {num_microbatches} microbatches on {num_stages} stages, more than its actions cover; {rule}"
-    )
+    return f"the schedule has {count(num_microbatches, 'microbatches')} on {count(num_stages, 'stages')}, more than its actions cover; {rule}"
 
 
 class Schedule:
@@ -199,7 +198,7 @@ class Schedule:
             raise ScheduleError(f"an action names stage {max_stage}, but the schedule has {num_stages} stages")
         if max_mb >= num_microbatches:
             raise ScheduleError(
-                f"an action names microbatch {max_mb}, but the schedule has {num_microbatches} microbatches"
+                f"an action names microbatch {max_mb}, but the schedule has {count(num_microbatches, 'microbatches')}"
             )
         _check_stages_placed(placement, num_stages)
         extra = [s for s in placement if not 0 <= s < num_stages]

@@ -32,13 +32,14 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, NamedTuple
 
+from pipetrain.plan._text import count
 from pipetrain.plan.actions import Action, ActionKind
 from pipetrain.plan.costs import Costs
 from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.passes._graph import gc_paused
 from pipetrain.plan.schedule import Schedule
 from pipetrain.plan.timeline import Timeline, TimelineEvent
-from pipetrain.plan.validate import check_structure
+from pipetrain.plan.validate import check_structure, validate
 
 __all__ = ["SimResult", "simulate"]
 
@@ -139,7 +140,8 @@ class SimResult:
     def title(self) -> str:
         name = self.schedule_name or "schedule"
         return (
-            f"{name}: {self.num_ranks} ranks, {self.num_stages} stages, {self.num_microbatches} microbatches"
+            f"{name}: {count(self.num_ranks, 'ranks')}, {count(self.num_stages, 'stages')}, "
+            f"{count(self.num_microbatches, 'microbatches')}"
             f" | makespan {self.makespan:g}, bubble {100 * self.bubble:.1f}%, peak activations {self.max_peak_memory}"
         )
 
@@ -437,6 +439,9 @@ def _simulate(schedule: Schedule, costs: Costs | None) -> SimResult:
 
     stuck = [r for r in range(n_rk) if pc[r] < len(programs[r])]
     if stuck:
+        # One wording for one broken schedule: validate names the rule ("1B0 needs 1F0, which rank
+        # 1 runs later (step 2)"); this pass's own account is the fallback.
+        validate(schedule)
         raise ScheduleError(_deadlock_message(schedule, pc, waiting_on, stuck, n_cells, n_mb))
 
     makespan = max(max(clock, default=0.0), last_delivery)  # a step ends when every message is delivered
