@@ -274,8 +274,8 @@ def _split(model: torch.nn.Module, flat: fx.GraphModule, spec: dict[str, SplitPo
     if empty and num_stages > 1:
         raise PipelineError(
             f"pipeline: stage {empty[0]} of {num_stages} would compute nothing (two split points with nothing "
-            f"between them, or one at the very start or end of forward); split points: "
-            f"{ {name: point.name for name, point in spec.items()} }"
+            "between them, or one at the very start or end of forward); split points: "
+            + (repr({name: point.name for name, point in spec.items()}) if spec else "pipe_split() calls in forward")
         )
     carries = _carries(nodes, stage_of, num_stages)
     placeholders = [n for n in nodes if n.op == "placeholder"]
@@ -361,7 +361,8 @@ def _attr_lookup(g: fx.Graph, env: dict[fx.Node, fx.Node]) -> Callable[[fx.Node]
 
 
 def _passed(g: fx.Graph, value: fx.Node, is_input: bool) -> fx.Node:
-    """A value this stage only forwards leaves as a new tensor (an alias), so its gradient flows back."""
+    """A value this stage only forwards leaves as an alias: every output is a tensor this stage
+    made, never one of its input objects, which the runtime treats apart (cut from upstream)."""
     if is_input and isinstance(value.meta.get("val"), torch.Tensor):
         alias = g.call_function(torch.ops.aten.alias.default, (value,))
         alias.meta = dict(value.meta)
