@@ -63,7 +63,6 @@ class StepData:
     loss_scale: float = 1.0
     loss_kwargs: dict[str, Any] = field(default_factory=dict)
     stage_kwargs: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # stage -> per microbatch
-    check_target_batch: bool = False  # the output's dim 0 must equal the target's (default merge spec)
 
 
 def _as_inputs(obj: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -214,7 +213,7 @@ class RankExecutor:
                     SendItem(
                         ("F", s, m),
                         self.stage_to_rank[s + 1],
-                        self._pop(self.to_send_f, (s, m), action, "no forward output to send (did F run?)"),
+                        self._pop(self.to_send_f, (s, m), "no forward output to send (did F run?)"),
                         f"{action}",
                         done,
                     )
@@ -224,7 +223,7 @@ class RankExecutor:
                     SendItem(
                         ("B", s, m),
                         self.stage_to_rank[s - 1],
-                        self._pop(self.to_send_b, (s, m), action, "no input gradient to send (did B or I run?)"),
+                        self._pop(self.to_send_b, (s, m), "no input gradient to send (did B or I run?)"),
                         f"{action}",
                     )
                 )
@@ -242,7 +241,7 @@ class RankExecutor:
         for (table, key), handle in zip(recvs, handles, strict=True):
             table[key] = handle
 
-    def _pop(self, table: dict[tuple[int, int], Any], key: tuple[int, int], action: Action, why: str) -> Any:
+    def _pop(self, table: dict[tuple[int, int], Any], key: tuple[int, int], why: str) -> Any:
         try:
             return table.pop(key)
         except KeyError:
@@ -302,7 +301,7 @@ class RankExecutor:
         output = stage.forward_one_chunk(m, args, kwargs, track=s in self.program.split_stages)
         if s == self.num_stages - 1:
             if data.loss_fn is not None and data.targets is not None:
-                self.losses[m] = self._loss(s, m, output, data.targets[m])
+                self.losses[m] = self._loss(output, data.targets[m])
             if data.keep_outputs:
                 self.outputs[m] = _detach(output)
             return
@@ -313,21 +312,9 @@ class RankExecutor:
         else:
             self.to_send_f[(s, m)] = output
 
-    def _loss(self, s: int, m: int, output: Any, target: Any) -> torch.Tensor:
+    def _loss(self, output: Any, target: Any) -> torch.Tensor:
         data = self.data
         assert data.loss_fn is not None
-        if (
-            data.check_target_batch
-            and isinstance(output, torch.Tensor)
-            and isinstance(target, torch.Tensor)
-            and output.dim() > 0
-            and target.dim() > 0
-            and output.shape[0] != target.shape[0]
-        ):
-            raise PipelineError(
-                f"{self.where()}: stage {s}'s output of microbatch {m} has shape {list(output.shape)} but its target "
-                f"has shape {list(target.shape)}: the target's batch size (dim 0) differs from the input's"
-            )
         loss = data.loss_fn(output, target, **data.loss_kwargs) if data.loss_kwargs else data.loss_fn(output, target)
         # Backward needs a scalar; eval keeps whatever loss_fn gives (per-sample losses, say), as torch does.
         if data.train and (not isinstance(loss, torch.Tensor) or loss.numel() != 1):
