@@ -125,7 +125,7 @@ class PipelineScheduleRuntime(StepDriver):
             self._transport.poison(self._executor.unsent())
             raise
         self.n_microbatches = self.schedule.num_microbatches
-        self._last: tuple[Events, int, Schedule] | None = None
+        self._last: tuple[list[tuple[Action, int, int]], int, Schedule] | None = None
 
     @property
     def _held(self) -> list[int]:
@@ -262,7 +262,7 @@ class PipelineScheduleRuntime(StepDriver):
             self._fail(executor, exc)
             raise AssertionError("unreachable") from exc  # _fail always raises
         finally:
-            self._last = ([(self.rank, a, t0, t1) for a, t0, t1 in executor.events], step_index, prepared.schedule)
+            self._last = (executor.events, step_index, prepared.schedule)  # a timeline is built on demand
             executor.clear()
 
     def _execute(self, prepared: Prepared, data: StepData) -> RankExecutor | None:
@@ -305,7 +305,8 @@ class PipelineScheduleRuntime(StepDriver):
         """When each action of the last step ran on this rank (built on demand: steps stay cheap)."""
         if self._last is None:
             return None
-        events, step_index, schedule = self._last
+        raw, step_index, schedule = self._last
+        events: Events = [(self.rank, a, t0, t1) for a, t0, t1 in raw]
         return events_timeline(events, schedule, f"{schedule.name} step {step_index}, rank {self.rank}")
 
     def gather_timeline(self) -> Timeline | None:
