@@ -5,6 +5,8 @@ runs the same executor as the distributed runtime, one program per simulated ran
 in a dependency order: a rank runs until it needs data that has not been produced yet, then the
 next rank gets its turn. Messages are handed over in memory, first in, first out per rank pair,
 exactly as the distributed transport matches them, so a schedule that runs here runs there.
+``step`` and ``eval`` are the distributed runtime's (:class:`~pipetrain.runtime.driver.StepDriver`),
+for a caller that holds every stage: keywords reach every stage, ``target`` goes to the last.
 """
 
 from __future__ import annotations
