@@ -21,6 +21,7 @@ from pipetrain.runtime.failures import (
     agree,
     dead_group,
     failure_channel,
+    refuse,
 )
 from pipetrain.runtime.prepare import Prepared, prepare_for, read_torch_csv, recv_window
 from pipetrain.runtime.transport.completion import Waiter
@@ -99,10 +100,13 @@ class PipelineScheduleRuntime(StepDriver):
         self._failure = failure_channel(self.group, self.rank)
         self._group_obj = self.group if self.group is not None else dist.group.WORLD
         story = DEAD_GROUPS.get(self._group_obj)
-        if story is None and self._failure is not None:
-            story = self._failure.check()
         if story is not None:
+            self._refuse(f"rank {self.rank}: {dead_group(story)}")
             raise PipelineError(f"rank {self.rank}: {dead_group(story)}")
+        told = self._failure.check() if self._failure is not None else None
+        if told is not None:  # a peer refused the round this schedule's first step would be: this rank too
+            self._refuse(told)
+            raise RemoteFailureError(f"rank {self.rank}: not started because {told}")
         self._waiter = self._new_waiter()
         self._transport = DistTransport(self.group, self._stage_list[0].device, self._failure, self._waiter)
         # Early receives leave the matching alone only where it is per peer and tag (gloo).
@@ -111,7 +115,7 @@ class PipelineScheduleRuntime(StepDriver):
         try:
             self._prepared = prepare_for(schedule, self._lower_options, self._stage_list, self.rank, self._recv_ahead)
         except PipelineError as err:  # every rank refuses the same schedule, before any communication
-            self._report(f"rank {self.rank} failed while building the runtime: {err}")
+            self._refuse(f"rank {self.rank} failed while building the runtime: {err}")
             raise
         self._executor = RankExecutor(
             self.rank, self.stages, self.schedule.stage_to_rank, self.num_stages, _DistComm(self._transport)
@@ -119,10 +123,12 @@ class PipelineScheduleRuntime(StepDriver):
         try:
             self._check_stages(self.schedule)
         except PipelineError as err:
-            # The other ranks will run their first step: wake those waiting for this rank's messages.
-            self._report(f"rank {self.rank} failed while building the runtime: {err}")
-            self._executor.begin(self._prepared.program(self.rank), 0)
-            self._transport.poison(self._executor.unsent())
+            # The other ranks stop at their first step, waiting to agree (no message was sent). Without
+            # a store there is no agreement: wake those waiting for this rank's messages instead.
+            self._refuse(f"rank {self.rank} failed while building the runtime: {err}")
+            if self._failure is None:
+                self._executor.begin(self._prepared.program(self.rank), 0)
+                self._transport.poison(self._executor.unsent())
             raise
         self.n_microbatches = self.schedule.num_microbatches
         self._last: tuple[list[tuple[Action, int, int]], int, Schedule] | None = None
@@ -220,6 +226,11 @@ class PipelineScheduleRuntime(StepDriver):
         if self._failure is not None:
             self._failure.report(message)
 
+    def _refuse(self, message: str) -> None:
+        """This schedule is refused before any message: stop the peers' next round, and only it."""
+        if self._failure is not None:
+            refuse(self._failure, message)
+
     def _check_stages(self, schedule: Schedule) -> None:
         if schedule.num_ranks != self.world:
             raise PipelineError(
@@ -253,10 +264,17 @@ class PipelineScheduleRuntime(StepDriver):
             raise PipelineError(f"rank {self.rank}: this schedule cannot run: {dead_group(story)}")
         executor = self._executor
         executor.begin(prepared.program(self.rank), step_index)  # what a failure before the first action cancels
-        try:
-            if not prepared.agreed:
+        if not prepared.agreed:
+            try:
                 agree(self._failure, prepared.base, self.rank, self.timeout, self.poll_interval, self._where)
-                prepared.agreed = True
+            except Exception as exc:
+                # Nothing was posted yet, so the group stays usable. Peers past their agreement wait
+                # for this rank's messages: the round's story wakes them.
+                self._report(str(exc) if str(exc).startswith("rank ") else f"rank {self.rank}: {exc}")
+                executor.clear()
+                raise
+            prepared.agreed = True
+        try:
             yield
         except BaseException as exc:
             self._fail(executor, exc)

@@ -5,11 +5,19 @@ ranks waiting for data poll it, so a failure anywhere becomes an error everywher
 hang. Before the first step of a schedule, neighbours check they run the same one
 (:func:`agree`). A group on which a step failed is never used again in this process
 (:func:`dead_group_story`): messages of the failed step may still be in flight on it.
+
+Generations. Every first step of a schedule on a group is one *round*, and so is a schedule
+refused while being built: ranks run the same sequence of them, so they count alike without
+talking. Failure stories live under their round, so a refusal before any message was exchanged
+(a bad constructor argument) stops that round on every rank and no later one: the next correct
+schedule on the same group trains. Keys are also scoped to torchrun's restart attempt
+(``TORCHELASTIC_RESTART_COUNT``): torch's elastic agent keeps one store across restarts.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 import weakref
 from collections.abc import Callable
@@ -20,7 +28,7 @@ import torch.distributed as dist
 from pipetrain.errors import PipelineError
 from pipetrain.plan import Schedule
 
-__all__ = ["FailureChannel", "RemoteFailureError", "agree", "announce_failure"]
+__all__ = ["FailureChannel", "RemoteFailureError", "agree", "announce_failure", "refuse"]
 
 
 class RemoteFailureError(PipelineError):
@@ -34,12 +42,20 @@ class FailureChannel:
     of a hang. Keys are namespaced per process group, so a fresh group starts clean.
     """
 
-    def __init__(self, store: Any, namespace: str, rank: int) -> None:
+    def __init__(self, store: Any, namespace: str, rank: int, generation: int | None = None) -> None:
         self.store = store
         self.rank = rank
         self.namespace = namespace
-        self._count = f"pipetrain/{namespace}/failures"
-        self._message = f"pipetrain/{namespace}/failure"
+        # The round whose story is read and written: the next one until this runtime's first step.
+        self.generation = _ROUNDS.get(namespace, 0) + 1 if generation is None else generation
+
+    @property
+    def _count(self) -> str:
+        return f"pipetrain/{self.namespace}/{self.generation}/failures"
+
+    @property
+    def _message(self) -> str:
+        return f"pipetrain/{self.namespace}/{self.generation}/failure"
 
     def report(self, message: str) -> None:
         """Record ``message`` unless another rank already reported a failure."""
@@ -69,7 +85,22 @@ def failure_channel(group: dist.ProcessGroup | None, rank: int) -> FailureChanne
 
 def _namespace(group: dist.ProcessGroup | None) -> str:
     group_obj = group if group is not None else dist.group.WORLD
-    return str(getattr(group_obj, "group_name", "world"))
+    name = str(getattr(group_obj, "group_name", "world"))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    return name if attempt is None else f"{name}@attempt{attempt}"
+
+
+def _next_round(namespace: str) -> int:
+    """Count one more round on the group (a first step, or a schedule refused while built)."""
+    _ROUNDS[namespace] = _ROUNDS.get(namespace, 0) + 1
+    return _ROUNDS[namespace]
+
+
+def refuse(failure: FailureChannel, message: str) -> None:
+    """A schedule refused while being built on this rank: its peers' next round stops with
+    ``message`` (they read it while waiting to agree), and no round after it."""
+    failure.generation = _next_round(failure.namespace)
+    failure.report(message)
 
 
 def dead_group(story: str) -> str:
@@ -81,16 +112,16 @@ def dead_group(story: str) -> str:
 
 
 def announce_failure(group: dist.ProcessGroup | None, message: str) -> None:
-    """Leave ``message`` as the group's failure story: for a rank that fails before its runtime
-    exists (a schedule class refusing its arguments). The other ranks read it at their first step,
-    while they wait for the ranks they exchange messages with (see ``_agree``)."""
+    """Leave ``message`` as the story of the group's next round: for a rank that fails before its
+    runtime exists (a schedule class refusing its arguments). The other ranks read it at their
+    next first step, while they wait for the ranks they exchange messages with (see ``agree``)."""
     if dist.is_available() and dist.is_initialized():
         channel = failure_channel(group, dist.get_rank(group))
         if channel is not None:
-            channel.report(message)
+            refuse(channel, message)
 
 
-_AGREEMENT: dict[str, list[int]] = {}  # per group namespace: how many first steps this process ran
+_ROUNDS: dict[str, int] = {}  # per group namespace: the rounds (first steps, refusals) this process ran
 
 
 def _neighbours(schedule: Schedule, rank: int) -> list[int]:
@@ -164,9 +195,10 @@ def agree(
     peers = _neighbours(schedule, rank)
     if failure is None or not peers:
         return
-    key = _AGREEMENT.setdefault(failure.namespace, [0])
-    key[0] += 1  # the n-th first step on a group is collective, so every rank counts alike
-    prefix = f"pipetrain/{failure.namespace}/plan/{key[0]}/"
+    # The n-th round on a group is collective, so every rank counts alike; this step's failures
+    # are told under it.
+    failure.generation = _next_round(failure.namespace)
+    prefix = f"pipetrain/{failure.namespace}/plan/{failure.generation}/"
     mine = _summary(schedule)
     # Sizes and messages must agree; names may not (the same CSV saved under two names).
     sizes = f"{schedule.num_ranks},{schedule.num_stages},{schedule.num_microbatches}"
