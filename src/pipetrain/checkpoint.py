@@ -35,6 +35,7 @@ import shutil
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -47,10 +48,12 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.storage import StorageWriter
+from torch.distributed.distributed_c10d import PrefixStore, Store
+from torch.distributed.rendezvous import rendezvous
 
 from pipetrain.errors import PipelineError
 
-__all__ = ["Checkpointer", "Resumed"]
+__all__ = ["Checkpointer", "Resumed", "attempt_store", "init_process_group"]
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _PARTIAL = ".partial-"
@@ -241,6 +244,41 @@ def _single_process_quiet() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         yield
+
+
+def attempt_store(timeout: float | timedelta = 300.0) -> Store:
+    """torchrun's store, seen through a prefix naming this restart attempt.
+
+    torch's elastic agent keeps one TCP store for the whole job, across restarts: the keys that
+    the process group's rendezvous, its barriers and pipetrain's failure agreement wrote in the
+    attempt that failed are still there, and a restarted group reads them (gloo connects to a
+    dead rank's address and times out). Under a prefix per ``TORCHELASTIC_RESTART_COUNT`` every
+    attempt starts from a clean store. Reads torchrun's environment (``MASTER_ADDR``, ...).
+    """
+    wait = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
+    store, _, _ = next(rendezvous("env://", timeout=wait))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    return store if attempt is None else PrefixStore(f"pipetrain/attempt{attempt}/", store)
+
+
+def init_process_group(backend: str | None = None, **kwargs: Any) -> None:
+    """``torch.distributed.init_process_group`` that works again after torchrun restarts the job.
+
+    Under torchrun (``TORCHELASTIC_RESTART_COUNT`` set, no ``store`` or ``init_method`` given) the
+    group is made on :func:`attempt_store`; anywhere else this is torch's function as it is.
+    """
+    if (
+        "TORCHELASTIC_RESTART_COUNT" in os.environ
+        and "store" not in kwargs
+        and kwargs.get("init_method") in (None, "env://")
+    ):
+        kwargs.pop("init_method", None)
+        kwargs.update(
+            store=attempt_store(kwargs.get("timeout", 300.0)),
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+        )
+    dist.init_process_group(backend, **kwargs)
 
 
 def _writer(path: Path) -> StorageWriter:

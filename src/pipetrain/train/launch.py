@@ -18,13 +18,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import PrefixStore, Store
-from torch.distributed.rendezvous import rendezvous
 from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException, start_processes
 
+from pipetrain.checkpoint import attempt_store
 from pipetrain.errors import PipelineError
 
-__all__ = ["DistEnv", "attempt_store", "free_port", "init_process_group", "spawn", "torchrun_env"]
+__all__ = ["DistEnv", "free_port", "init_process_group", "spawn", "torchrun_env"]
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -89,20 +88,6 @@ def init_process_group(env: DistEnv, device: str, timeout_s: float = 300.0) -> t
         kwargs["device_id"] = dev
     dist.init_process_group(backend, **kwargs)
     return dev
-
-
-def attempt_store(timeout_s: float = 300.0) -> Store:
-    """torchrun's store, seen through a prefix naming this restart attempt.
-
-    torch's elastic agent keeps one TCP store for the whole job, across restarts: the keys the
-    process group's rendezvous, its barriers and pipetrain's failure agreement wrote in the
-    attempt that failed are still there, and a restarted group would read them (connect to a
-    dead rank's address, count a barrier's arrivals twice, find a stale failure story). Under a
-    prefix per ``TORCHELASTIC_RESTART_COUNT`` every attempt starts from a clean store.
-    """
-    store, _, _ = next(rendezvous("env://", timeout=timedelta(seconds=timeout_s)))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    return store if attempt is None else PrefixStore(f"pipetrain/attempt{attempt}/", store)
 
 
 def _child(local_rank: int, fn: Callable[..., Any], world: int, port: int, args: tuple[Any, ...]) -> None:
