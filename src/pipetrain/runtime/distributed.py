@@ -270,9 +270,12 @@ class PipelineScheduleRuntime(StepDriver):
             except Exception as exc:
                 # Nothing was posted yet, so the group stays usable. Peers past their agreement wait
                 # for this rank's messages: the round's story wakes them.
-                self._report(str(exc) if str(exc).startswith("rank ") else f"rank {self.rank}: {exc}")
+                message = str(exc) if str(exc).startswith("rank ") else f"rank {self.rank}: {type(exc).__name__}: {exc}"
+                self._report(message)
                 executor.clear()
-                raise
+                if isinstance(exc, PipelineError):
+                    raise
+                raise PipelineError(message) from exc
             prepared.agreed = True
         try:
             yield
