@@ -127,10 +127,12 @@ class Checkpointer:
             shutil.rmtree(partial, ignore_errors=True)  # left by a crash while writing this step before
             partial.mkdir(parents=True)
         self._barrier(distributed)
-        mods = _modules(modules)
-        state: dict[str, Any] = {f"model.{k}": v for k, v in _model_state(mods).items()}
-        if optimizer is not None:
-            state.update(_optimizer_state(mods, optimizer))
+        state: dict[str, Any] = {}
+        with self._all_or_none(distributed):
+            mods = _modules(modules)
+            state.update({f"model.{k}": v for k, v in _model_state(mods).items()})
+            if optimizer is not None:
+                state.update(_optimizer_state(mods, optimizer))
         state[f"rng.{rank}"] = _rng_state()
         if rank == 0:
             meta = {"step": step, "extra": dict(extra or {}), "world_size": self._world(distributed)}
@@ -182,21 +184,22 @@ class Checkpointer:
             return Resumed()
         if not (chosen / ".metadata").is_file():
             raise PipelineError(f"{chosen} is not a complete checkpoint (no .metadata)")
-        saved = FileSystemReader(str(chosen)).read_metadata().state_dict_metadata
-        mods = _modules(modules)
         state: dict[str, Any] = {}
-        missing = []
-        for name, tensor in _model_state(mods).items():
-            if f"model.{name}" not in saved:
-                missing.append(name)
-            state[f"model.{name}"] = tensor
-        if missing:
-            raise PipelineError(
-                f"{chosen} holds no {', '.join(missing[:3])}{' …' if len(missing) > 3 else ''}: "
-                "was it saved from another model? (keys are the whole model's parameter names)"
-            )
-        if optimizer is not None:
-            state.update(_optimizer_placeholders(mods, optimizer, saved))
+        with self._all_or_none(distributed):
+            saved = FileSystemReader(str(chosen)).read_metadata().state_dict_metadata
+            mods = _modules(modules)
+            missing = []
+            for name, tensor in _model_state(mods).items():
+                if f"model.{name}" not in saved:
+                    missing.append(name)
+                state[f"model.{name}"] = tensor
+            if missing:
+                raise PipelineError(
+                    f"{chosen} holds no {', '.join(missing[:3])}{' …' if len(missing) > 3 else ''}: "
+                    "was it saved from another model? (keys are the whole model's parameter names)"
+                )
+            if optimizer is not None:
+                state.update(_optimizer_placeholders(mods, optimizer, saved))
         rng_key = f"rng.{rank}"
         if rng_key in saved:
             state[rng_key] = b""
@@ -217,6 +220,26 @@ class Checkpointer:
 
     def _world(self, distributed: bool) -> int:
         return dist.get_world_size(self.group) if distributed else 1
+
+    @contextlib.contextmanager
+    def _all_or_none(self, distributed: bool) -> Iterator[None]:
+        """Raise on every rank if the block raised on any: a rank that stopped before DCP's
+        collectives would leave the others waiting there."""
+        error: Exception | None = None
+        try:
+            yield
+        except Exception as exc:
+            error = exc
+        if distributed:
+            told: list[Any] = [None] * self._world(distributed)
+            dist.all_gather_object(
+                told, None if error is None else f"{type(error).__name__}: {error}", group=self.group
+            )
+            failed = [(r, e) for r, e in enumerate(told) if e is not None]
+            if failed and error is None:
+                raise PipelineError("; ".join(f"rank {r}: {e}" for r, e in failed))
+        if error is not None:
+            raise error
 
     def _barrier(self, distributed: bool) -> None:
         if distributed:

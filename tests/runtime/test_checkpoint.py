@@ -104,12 +104,19 @@ def _save_then_continue(rank: int, world: int, directory: str) -> dict[str, Any]
     }
 
 
-def _resume(rank: int, world: int, directory: str, schedule: str) -> tuple[int, dict[str, Any], float | None]:
-    from pipetrain import Checkpointer
+def _resume(rank: int, world: int, directory: str, schedule: str) -> tuple[int, dict[str, Any], float | None, str]:
+    from pipetrain import Checkpointer, PipelineError
 
     sched, optimizer, stages, mine = _pipeline(rank, world, schedule, seed=123)  # another init: all must load
     resumed = Checkpointer(directory).load(stages, optimizer)
-    return resumed.step, resumed.extra, _step(sched, optimizer, resumed.step, mine)
+    next_loss = _step(sched, optimizer, resumed.step, mine)
+    # A module the checkpoint lacks, on rank 3 only: every rank raises, none waits in DCP's collectives.
+    try:
+        Checkpointer(directory).load([*stages, torch.nn.Linear(2, 2)] if rank == 3 else stages)
+        refused = ""
+    except PipelineError as err:
+        refused = str(err)
+    return resumed.step, resumed.extra, next_loss, refused
 
 
 def _unpipelined_next_loss(directory: str) -> tuple[int, float]:
@@ -142,6 +149,8 @@ def test_a_checkpoint_resumes_in_other_layouts_and_a_failed_save_leaves_it_usabl
     assert [r[0] for r in on_four] == [SAVED_AT] * 4
     assert all(r[1] == {"next_batch": SAVED_AT} for r in on_four)
     assert on_four[3][2] == pytest.approx(reference, rel=1e-6, abs=0.0), (on_four[3][2], reference)
+    for rank, (*_, refused) in enumerate(on_four):
+        assert "holds no weight, bias" in refused and ("rank 3: " in refused or rank == 3), (rank, refused)
 
     step, alone = _unpipelined_next_loss(directory)
     assert step == SAVED_AT
