@@ -385,3 +385,21 @@ def test_lower_rejects_what_validate_rejects_with_its_message(seed: int, name: s
         assert str(got.value) == str(err)
         return
     broken.lower(fsdp=fsdp).validate()
+
+
+def test_lower_posts_early_receives_as_an_option() -> None:
+    """recv_ahead is a lowering option: the moved receives are in the schedule itself, and the
+    same multiset of actions runs, with every RECV_B ahead of or at its old place."""
+    from pipetrain.plan import build_schedule, simulate
+    from pipetrain.plan.passes.early_recv import post_receives_early
+
+    s = build_schedule("1F1B", 4, 8)
+    plain = s.lower()
+    early = s.lower(recv_ahead=2)
+    assert early.actions == post_receives_early(plain, 2).actions
+    assert early.actions != plain.actions
+    for r in range(4):
+        assert sorted(map(str, filter(None, early.actions[r]))) == sorted(map(str, filter(None, plain.actions[r])))
+    assert simulate(early).makespan <= simulate(plain).makespan + 1e-9
+    with pytest.raises(ScheduleError, match="recv_ahead moves receives: it needs comms=True"):
+        s.lower(comms=False, recv_ahead=1)

@@ -14,6 +14,7 @@ from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.passes._graph import gc_paused
 from pipetrain.plan.passes._insert import refuse_lowered
 from pipetrain.plan.passes.communication import add_communication
+from pipetrain.plan.passes.early_recv import post_receives_early
 from pipetrain.plan.passes.forward import forwards_only
 from pipetrain.plan.passes.fsdp import add_fsdp, check_prefetch, fsdp_pass
 from pipetrain.plan.passes.fused import lower_compute
@@ -33,18 +34,26 @@ def lower(
     fsdp: bool = False,
     prefetch: int = 1,
     merge_iw: bool = False,
+    recv_ahead: int = 0,
 ) -> Schedule:
     """Validate ``schedule`` (compute-only) and return it lowered.
 
     ``comms``: SEND/RECV between stages on different ranks. ``grad_reduce``: REDUCE_GRAD after
     each stage's last backward. ``fsdp``: UNSHARD ``prefetch`` compute actions ahead of use and
-    RESHARD after. ``merge_iw``: I directly followed by its W becomes one B. Lowering an already
-    lowered schedule raises :class:`ScheduleError`.
+    RESHARD after. ``merge_iw``: I directly followed by its W becomes one B. ``recv_ahead``: post
+    the receives from peers that send gradients up to that many groups early (gloo: matching per
+    tag; see :mod:`pipetrain.plan.passes.early_recv`), so the early receives are in the schedule
+    that validate and simulate see. Lowering an already lowered schedule raises :class:`ScheduleError`.
     """
     if fsdp:
         check_prefetch(prefetch)
     with gc_paused():
-        return _lower(schedule, comms, grad_reduce, fsdp, prefetch, merge_iw)
+        out = _lower(schedule, comms, grad_reduce, fsdp, prefetch, merge_iw)
+    if recv_ahead:
+        if not comms:
+            raise ScheduleError("recv_ahead moves receives: it needs comms=True")
+        out = post_receives_early(out, recv_ahead)
+    return out
 
 
 def _lower(schedule: Schedule, comms: bool, grad_reduce: bool, fsdp: bool, prefetch: int, merge_iw: bool) -> Schedule:
