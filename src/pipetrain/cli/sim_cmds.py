@@ -37,7 +37,13 @@ def register(subparsers: Any) -> None:
     )
     sim.add_argument("schedule", help=f"schedule name ({names}) or a .csv/.json file")
     add_size_arguments(sim, required=False)
-    sim.add_argument("--costs", default="", metavar="SPEC", help=_COSTS_HELP)
+    sim.add_argument(
+        "--costs",
+        default="",
+        metavar="SPEC",
+        help=_COSTS_HELP + "; costs are per stage: every stage of this schedule takes them as given (compare "
+        "and plan read plain numbers as one rank's share instead, and print the per-stage costs to use here)",
+    )
     sim.add_argument("--lowered", action="store_true", help="simulate the lowered schedule (with SEND/RECV)")
     sim.add_argument(
         "--png", metavar="FILE", help=f"write the timeline picture as PNG ({OUTPUT_NAMING.format(fmt='png')})"
