@@ -16,12 +16,25 @@ from typing import Any, ClassVar
 import torch.distributed as dist
 
 from pipetrain.errors import PipelineError
-from pipetrain.plan import ScheduleError, build_schedule
+from pipetrain.plan import ActionKind, ScheduleError, build_schedule
 from pipetrain.plan.generators import ScheduleFamily, family, schedule_names
 from pipetrain.runtime import LossFn, PipelineScheduleRuntime, announce_failure, read_torch_csv
+from pipetrain.runtime.executor import CustomAction, PipelineContext
 from pipetrain.stage import PipelineStage
 
 __all__ = [
+    "BACKWARD_INPUT",
+    "BACKWARD_WEIGHT",
+    "FORWARD",
+    "FULL_BACKWARD",
+    "OVERLAP_F_B",
+    "RECV_B",
+    "RECV_F",
+    "REDUCE_GRAD",
+    "RESHARD",
+    "SEND_B",
+    "SEND_F",
+    "UNSHARD",
     "PipelineScheduleMulti",
     "PipelineScheduleSingle",
     "Schedule1F1B",
@@ -37,6 +50,25 @@ __all__ = [
     "ScheduleZBVZeroBubble",
     "get_schedule_class",
 ]
+
+# torch's names for the action kinds (``register_custom_function(OVERLAP_F_B, fn)``) and actions.
+_ComputationType = ActionKind
+FORWARD = ActionKind.F
+FULL_BACKWARD = ActionKind.B
+BACKWARD_INPUT = ActionKind.I
+BACKWARD_WEIGHT = ActionKind.W
+UNSHARD = ActionKind.UNSHARD
+RESHARD = ActionKind.RESHARD
+SEND_F = ActionKind.SEND_F
+RECV_F = ActionKind.RECV_F
+SEND_B = ActionKind.SEND_B
+RECV_B = ActionKind.RECV_B
+OVERLAP_F_B = ActionKind.OVERLAP_F_B
+REDUCE_GRAD = ActionKind.REDUCE_GRAD
+_Action = CustomAction
+"""torch's action type: pipetrain's Action, also readable as ``stage_index``, ``computation_type``, ``microbatch_index``."""
+_PipelineContext = PipelineContext
+"""What a function registered with ``register_custom_function`` gets besides its action."""
 
 
 class _NamedSchedule(PipelineScheduleRuntime):

@@ -421,3 +421,12 @@ class PipelineStage:
 
 _PipelineStageBase = PipelineStage
 """torch's base class of its stage classes; torchtitan imports it as a type."""
+
+
+def _normalize_model_output_as_tuple(output: Any) -> tuple[Any, ...]:
+    """torch's helper of the same name (torchtitan imports it): a stage output as a tuple."""
+    if isinstance(output, tuple) and not hasattr(output, "_fields"):
+        return output
+    if isinstance(output, list):
+        return tuple(output)
+    return (output,)

@@ -10,7 +10,7 @@ one process sees exactly what the ranks do.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -18,9 +18,15 @@ import torch
 from pipetrain.errors import PipelineError
 from pipetrain.microbatch import merge_chunks, requires_grad, split_args_kwargs_into_chunks, split_into_chunks
 from pipetrain.microbatch import split_stage_kwargs as split_extra_kwargs
-from pipetrain.plan import Action, Schedule
+from pipetrain.plan import Action, ActionKind, Schedule
 from pipetrain.plan.timeline import Timeline, TimelineEvent
-from pipetrain.runtime.executor import LossFn, RankExecutor, StepData
+from pipetrain.runtime.executor import (
+    CUSTOM_KINDS,
+    CustomFunction,
+    LossFn,
+    RankExecutor,
+    StepData,
+)
 from pipetrain.runtime.prepare import Prepared, require_autograd
 
 __all__ = ["StepDriver", "events_timeline"]
@@ -88,6 +94,7 @@ class StepDriver:
         self._eval_prepared: Prepared | None = None
         self._step_count = 0
         self._lower_options: dict[str, Any] = {}
+        self._custom: dict[ActionKind, CustomFunction] = {}
 
     # ------------------------------------------------------------ to implement
     @property
@@ -131,6 +138,29 @@ class StepDriver:
         return self._eval_prepared
 
     # ------------------------------------------------------------ running
+    def register_custom_function(self, computation_type: Any, custom_function: CustomFunction) -> None:
+        """Run ``custom_function(action, ctx)`` instead of pipetrain's own code for every action of
+        ``computation_type`` (torch 2.13's hook and kinds: F, B, I, W, OVERLAP_F_B, UNSHARD,
+        RESHARD, REDUCE_GRAD, as pipetrain's ``ActionKind``, torch's constants or their strings).
+
+        ``ctx`` is a :class:`~pipetrain.runtime.executor.PipelineContext`: torch's fields
+        (``schedule_ref``, ``arg_mbs``, ``kwarg_mbs``, ``target_mbs``, ``losses``), this rank's
+        ``stages``, and the executor's hand-over of inputs and outputs, so the function computes
+        while the executor still routes the data. As in torch, a later registration replaces an
+        earlier one, and only top-level actions are replaced (an OVERLAP_F_B's parts are not).
+        """
+        try:
+            kind = ActionKind(getattr(computation_type, "value", computation_type))
+        except ValueError:
+            kind = None
+        if kind not in CUSTOM_KINDS:
+            allowed = ", ".join(sorted(k.value for k in CUSTOM_KINDS))
+            raise ValueError(f"register_custom_function: {computation_type!r} is not one of {allowed}")
+        assert kind is not None
+        if not callable(custom_function):
+            raise TypeError(f"register_custom_function: {custom_function!r} is not callable")
+        self._custom[kind] = custom_function
+
     def step(
         self,
         *args: Any,
@@ -140,6 +170,9 @@ class StepDriver:
         loss_kwargs: dict[str, Any] | None = None,
         stage_kwargs: dict[int, dict[str, Any]] | None = None,
         stage_kwargs_chunk_spec: dict[int, dict[str, Any]] | None = None,
+        arg_mbs: Sequence[Any] | None = None,
+        kwarg_mbs: Sequence[dict[str, Any]] | None = None,
+        target_mbs: Sequence[Any] | None = None,
         **kwargs: Any,
     ) -> Any:
         """One training step (forward only when there is no ``loss_fn``).
@@ -150,15 +183,22 @@ class StepDriver:
         every call of ``loss_fn``, as in torch. ``stage_kwargs`` (``{stage index: {name: value}}``,
         beyond torch) gives any held stage extra keyword inputs, split into microbatches like the
         first stage's (dim 0 unless ``stage_kwargs_chunk_spec`` says otherwise).
+
+        Pre-split form (torchtitan's trainer): instead of the whole batch, ``arg_mbs`` (one tuple
+        of positional inputs per microbatch, where stage 0 is held), ``kwarg_mbs`` (one dict per
+        microbatch, for every held stage) and ``target_mbs`` (one target per microbatch, where the
+        last stage is). Microbatches may differ in shape (packed documents of different lengths);
+        the output, where asked for, is then the list of the microbatches' outputs.
         """
+        batch = _Batch(args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs)
         extra = (stage_kwargs, stage_kwargs_chunk_spec)
         if self._loss_fn is None:
-            return self._run(self._forward_prepared(), args, kwargs, None, None, return_outputs, False, None, extra)
+            return self._run(self._forward_prepared(), batch, None, return_outputs, False, None, extra)
         train = self._prepared.schedule.has_backward
         if train and self.backward_requires_autograd:
             require_autograd(f"{self._where()}: step()")
         # A forward-only schedule with a loss_fn computes losses (e.g. validation) without autograd.
-        return self._run(self._prepared, args, kwargs, target, losses, return_outputs, train, loss_kwargs, extra)
+        return self._run(self._prepared, batch, losses, return_outputs, train, loss_kwargs, extra)
 
     def eval(
         self,
@@ -169,24 +209,25 @@ class StepDriver:
         loss_kwargs: dict[str, Any] | None = None,
         stage_kwargs: dict[int, dict[str, Any]] | None = None,
         stage_kwargs_chunk_spec: dict[int, dict[str, Any]] | None = None,
+        arg_mbs: Sequence[Any] | None = None,
+        kwarg_mbs: Sequence[dict[str, Any]] | None = None,
+        target_mbs: Sequence[Any] | None = None,
         **kwargs: Any,
     ) -> Any:
         """Forward only, without autograd, on any schedule; the merged output where the last stage is.
 
         With a ``target`` (where the last stage is held) and a ``loss_fn``, ``losses`` gets each
-        microbatch's loss, as in torch. Keywords and ``stage_kwargs`` as in :meth:`step`.
+        microbatch's loss, as in torch. Keywords, ``stage_kwargs`` and the pre-split form
+        (``arg_mbs``, ``kwarg_mbs``, ``target_mbs``) as in :meth:`step`.
         """
+        batch = _Batch(args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs)
         extra = (stage_kwargs, stage_kwargs_chunk_spec)
-        return self._run(
-            self._forward_prepared(), args, kwargs, target, losses, return_outputs, False, loss_kwargs, extra
-        )
+        return self._run(self._forward_prepared(), batch, losses, return_outputs, False, loss_kwargs, extra)
 
     def _run(
         self,
         prepared: Prepared,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        target: Any,
+        batch: _Batch,
         losses: list[Any] | None,
         return_outputs: bool,
         train: bool,
@@ -200,8 +241,17 @@ class StepDriver:
                 raise PipelineError(
                     f"{self._where()}: losses must be a list (step fills it in place), got {type(losses).__name__}"
                 )
-            inputs = self._split_inputs(args, kwargs)
-            targets = self._split_target(target, train, args, kwargs)
+            if batch.presplit:
+                inputs, chunks, targets = self._presplit(batch, train)
+                # Every microbatch's value of a keyword, for the checks of _stage_keywords.
+                keywords: dict[str, Any] = {}
+                for chunk in chunks or ():
+                    for k, v in chunk.items():
+                        keywords.setdefault(k, []).append(v)
+            else:
+                inputs = self._split_inputs(batch.args, batch.kwargs)
+                targets = self._split_target(batch.target, train, batch.args, batch.kwargs)
+                keywords, chunks = batch.kwargs, None
             data = StepData(
                 step_index,
                 train,
@@ -211,9 +261,81 @@ class StepDriver:
                 loss_fn=self._loss_fn if targets is not None else None,
                 loss_scale=1.0 / self.n_microbatches if self.scale_grads else 1.0,
                 loss_kwargs=loss_kwargs or {},
-                stage_kwargs=self._stage_keywords(kwargs, inputs, extra),
+                stage_kwargs=self._stage_keywords(keywords, inputs, extra, chunks),
+                custom=self._custom,
+                schedule_ref=self,
+                kwarg_mbs=chunks if batch.presplit else ([k for _, k in inputs] if inputs is not None else None),
+                user_losses=losses,
             )
-            return self._finish(self._execute(prepared, data), losses, return_outputs)
+            return self._finish(self._execute(prepared, data), losses, return_outputs, batch.presplit)
+
+    def _presplit(
+        self, batch: _Batch, train: bool
+    ) -> tuple[list[tuple[tuple[Any, ...], dict[str, Any]]] | None, list[dict[str, Any]] | None, list[Any] | None]:
+        """Check the pre-split form and give it as the executor takes it: (inputs, keywords, targets)."""
+        where, n = self._where(), self.n_microbatches
+        if batch.args or batch.kwargs or batch.target is not None:
+            given = [
+                w
+                for w, v in (
+                    ("positional inputs", batch.args),
+                    ("keyword inputs", batch.kwargs),
+                    ("target", batch.target),
+                )
+                if (v is not None if w == "target" else v)
+            ]
+            raise PipelineError(
+                f"{where}: step() got both the pre-split form (arg_mbs/kwarg_mbs/target_mbs) and whole-batch "
+                f"{' and '.join(given)}: give one or the other"
+            )
+        arg_mbs = _mb_list(batch.arg_mbs, "arg_mbs", n, where)
+        kwarg_mbs = _mb_list(batch.kwarg_mbs, "kwarg_mbs", n, where)
+        target_mbs = _mb_list(batch.target_mbs, "target_mbs", n, where)
+        args_per_mb: list[tuple[Any, ...]] | None = None
+        if arg_mbs is not None:
+            args_per_mb = []
+            for i, a in enumerate(arg_mbs):
+                if isinstance(a, list):
+                    a = tuple(a)
+                elif not isinstance(a, tuple):
+                    raise PipelineError(
+                        f"{where}: arg_mbs[{i}] is a {type(a).__name__}; each item of arg_mbs is the tuple of one "
+                        "microbatch's positional inputs, e.g. (tokens,)"
+                    )
+                args_per_mb.append(a)
+        if kwarg_mbs is not None:
+            for i, k in enumerate(kwarg_mbs):
+                if not isinstance(k, dict):
+                    raise PipelineError(
+                        f"{where}: kwarg_mbs[{i}] is a {type(k).__name__}; each item of kwarg_mbs is the dict of "
+                        "one microbatch's keyword inputs"
+                    )
+        chunks = list(kwarg_mbs) if kwarg_mbs is not None else None
+        inputs = None
+        if self.has_first_stage:
+            if args_per_mb is None and chunks is None:
+                raise PipelineError(f"{where}: holds stage 0 but step() was given no inputs (arg_mbs is None)")
+            a_list = args_per_mb if args_per_mb is not None else [() for _ in range(n)]
+            k_list = chunks if chunks is not None else [{} for _ in range(n)]
+            inputs = list(zip(a_list, k_list, strict=True))
+        return inputs, chunks, self._presplit_targets(target_mbs, train)
+
+    def _presplit_targets(self, target_mbs: list[Any] | None, train: bool) -> list[Any] | None:
+        last = self.num_stages - 1
+        if not self.has_last_stage:
+            if target_mbs is not None:
+                raise PipelineError(
+                    f"{self._where()}: step() was given target_mbs, but this rank does not hold the last stage "
+                    f"({last}), which computes the loss: pass target_mbs only on the rank that holds it"
+                )
+            return None
+        if self._loss_fn is None or (not train and target_mbs is None):
+            return None
+        if target_mbs is None:
+            raise PipelineError(
+                f"{self._where()}: holds the last stage ({last}) and loss_fn is set, but step() got no target_mbs"
+            )
+        return target_mbs
 
     def _split_inputs(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -232,10 +354,12 @@ class StepDriver:
         kwargs: dict[str, Any],
         inputs: list[tuple[tuple[Any, ...], dict[str, Any]]] | None,
         extra: tuple[Any, Any],
+        presplit: list[dict[str, Any]] | None = None,
     ) -> dict[int, list[dict[str, Any]]]:
         """Per stage held here (but stage 0, whose inputs carry them), the keyword inputs of each
-        microbatch: ``step()``'s keyword arguments go to every held stage, as in torch (an
-        attention mask each block needs), and ``stage_kwargs`` to the stage it names."""
+        microbatch: ``step()``'s keyword arguments (or ``kwarg_mbs``, ``presplit``) go to every
+        held stage, as in torch (an attention mask each block needs), and ``stage_kwargs`` to the
+        stage it names."""
         n = self.n_microbatches
         per_stage = split_extra_kwargs(extra[0], n, self.num_stages, self._held, extra[1])
         later = [s for s in self._held if s != 0]
@@ -249,7 +373,9 @@ class StepDriver:
                     "gradient (only the first stage's inputs do); detach it, or give it to stage 0 alone with "
                     "stage_kwargs={0: {...}}"
                 )
-        if inputs is not None:  # split once: the first stage's split has them
+        if presplit is not None:
+            chunks = presplit
+        elif inputs is not None:  # split once: the first stage's split has them
             chunks = [k for _, k in inputs]
         else:
             chunks = split_args_kwargs_into_chunks((), kwargs, n, None, self._kwargs_chunk_spec)[1]
@@ -299,12 +425,49 @@ class StepDriver:
             "matching slice of the target"
         )
 
-    def _finish(self, last: RankExecutor | None, losses: list[Any] | None, want_output: bool) -> Any:
+    def _finish(
+        self, last: RankExecutor | None, losses: list[Any] | None, want_output: bool, presplit: bool = False
+    ) -> Any:
         if last is None:
             return None
         if losses is not None and last.losses:
             losses.clear()
             losses.extend(last.losses[m] for m in sorted(last.losses))
         if want_output and last.outputs:
-            return merge_chunks([last.outputs[m] for m in sorted(last.outputs)], self._output_merge_spec)
+            outputs = [last.outputs[m] for m in sorted(last.outputs)]
+            # Pre-split microbatches may differ in shape: their outputs stay the caller's split.
+            return outputs if presplit else merge_chunks(outputs, self._output_merge_spec)
         return None
+
+
+class _Batch:
+    """What one step()/eval() call was given: the whole batch, or the pre-split form."""
+
+    __slots__ = ("arg_mbs", "args", "kwarg_mbs", "kwargs", "presplit", "target", "target_mbs")
+
+    def __init__(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        target: Any,
+        arg_mbs: Sequence[Any] | None,
+        kwarg_mbs: Sequence[dict[str, Any]] | None,
+        target_mbs: Sequence[Any] | None,
+    ) -> None:
+        self.args, self.kwargs, self.target = args, kwargs, target
+        self.arg_mbs, self.kwarg_mbs, self.target_mbs = arg_mbs, kwarg_mbs, target_mbs
+        self.presplit = arg_mbs is not None or kwarg_mbs is not None or target_mbs is not None
+
+
+def _mb_list(value: Sequence[Any] | None, name: str, n: int, where: str) -> list[Any] | None:
+    """``value`` as a list of one item per microbatch, or a clear error."""
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)):
+        raise PipelineError(f"{where}: {name} must be a list with one item per microbatch, got {type(value).__name__}")
+    if len(value) != n:
+        raise PipelineError(
+            f"{where}: {name} has {len(value)} microbatch{'es' if len(value) != 1 else ''}, but this schedule "
+            f"was built with n_microbatches={n}"
+        )
+    return list(value)

@@ -29,7 +29,16 @@ from pipetrain.runtime.data_parallel import reduce_grad, reshard, unshard
 from pipetrain.runtime.transport.wire import RecvHandle, RecvItem, SendItem
 from pipetrain.stage import PipelineStage
 
-__all__ = ["Comm", "LossFn", "RankExecutor", "StepData"]
+__all__ = [
+    "CUSTOM_KINDS",
+    "Comm",
+    "CustomAction",
+    "CustomFunction",
+    "LossFn",
+    "PipelineContext",
+    "RankExecutor",
+    "StepData",
+]
 
 LossFn = Callable[..., torch.Tensor]
 _K = ActionKind
@@ -63,6 +72,100 @@ class StepData:
     loss_scale: float = 1.0
     loss_kwargs: dict[str, Any] = field(default_factory=dict)
     stage_kwargs: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # stage -> per microbatch
+    # For functions registered with register_custom_function: who runs the step, what it was given.
+    custom: dict[ActionKind, CustomFunction] = field(default_factory=dict)
+    schedule_ref: Any = None
+    kwarg_mbs: list[dict[str, Any]] | None = None  # the step's keyword inputs per microbatch
+    user_losses: list[Any] | None = None  # the list step() fills
+
+
+class CustomAction(Action):
+    """An :class:`~pipetrain.plan.Action` also readable by torch's field names, as torch's
+    ``_Action`` (``stage_index``, ``computation_type``, ``microbatch_index``): what a function
+    registered with ``register_custom_function`` receives, written for torch or for pipetrain."""
+
+    __slots__ = ()
+
+    @property
+    def stage_index(self) -> int:
+        return self.stage
+
+    @property
+    def computation_type(self) -> ActionKind:
+        return self.kind
+
+    @property
+    def microbatch_index(self) -> int | None:
+        return self.microbatch
+
+    @staticmethod
+    def from_str(text: str) -> CustomAction:
+        """torch's ``_Action.from_str``: one action string, e.g. ``"2F0"``."""
+        action = Action.parse(text)
+        if action is None:
+            raise ValueError(f"{text!r} is no action")
+        return CustomAction.of(action)
+
+    @staticmethod
+    def of(action: Action) -> CustomAction:
+        """``action`` (and its sub-actions) under torch's field names as well."""
+        if isinstance(action, CustomAction):
+            return action
+        subs = None if action.sub_actions is None else tuple(CustomAction.of(a) for a in action.sub_actions)
+        return CustomAction(action.stage, action.kind, action.microbatch, subs)
+
+
+@dataclass
+class PipelineContext:
+    """What a custom function gets with its action (torch 2.13's ``_PipelineContext`` fields first).
+
+    ``schedule_ref`` is the schedule running the step; ``arg_mbs``/``kwarg_mbs`` the step's
+    inputs per microbatch (``arg_mbs`` where stage 0 is held), ``target_mbs`` its targets where
+    the last stage is, ``losses`` the list ``step`` fills at its end. Beyond torch, ``stages``
+    (this rank's, by index) and the executor's own plumbing, so a function can run a stage's
+    computation itself through the stage's public methods: :meth:`forward_inputs` then
+    ``stage.forward_one_chunk`` then :meth:`forward_done`; :meth:`backward_inputs` then
+    ``stage.backward_one_chunk`` then :meth:`backward_done`; or :meth:`run` for pipetrain's own
+    implementation of an action.
+    """
+
+    schedule_ref: Any
+    arg_mbs: list[tuple[Any, ...]] | None = None
+    kwarg_mbs: list[dict[str, Any]] | None = None
+    target_mbs: list[Any] | None = None
+    losses: list[Any] | None = None
+    stages: dict[int, PipelineStage] = field(default_factory=dict)
+    executor: RankExecutor | None = field(default=None, repr=False)
+
+    def _ex(self) -> RankExecutor:
+        if self.executor is None:
+            raise PipelineError("this PipelineContext belongs to no running step")
+        return self.executor
+
+    def run(self, action: Action) -> None:
+        """Perform ``action`` as pipetrain does (an OVERLAP_F_B's parts one after the other)."""
+        self._ex()._perform(action)
+
+    def forward_inputs(self, stage: int, mb: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The positional and keyword inputs of ``stage``'s forward of microbatch ``mb`` (taken: once)."""
+        return self._ex()._forward_inputs(stage, mb)
+
+    def forward_done(self, stage: int, mb: int, output: Any) -> None:
+        """Hand ``stage``'s forward output of ``mb`` on (the next stage, a send, or the loss)."""
+        self._ex()._forward_output(stage, mb, output)
+
+    def backward_inputs(self, stage: int, mb: int) -> dict[str, Any]:
+        """Keywords for ``stage.backward_one_chunk(mb, **kw, full=...)``: the loss or the output grads."""
+        return self._ex()._backward_inputs(stage, mb)
+
+    def backward_done(self, stage: int, mb: int, input_grads: list[torch.Tensor | None]) -> None:
+        """Hand ``stage``'s input gradients of ``mb`` on to the previous stage."""
+        self._ex()._backward_output(stage, mb, input_grads)
+
+
+CustomFunction = Callable[[CustomAction, PipelineContext], None]
+# The kinds torch 2.13 lets a function replace (communication stays the executor's).
+CUSTOM_KINDS = frozenset({_K.F, _K.B, _K.I, _K.W, _K.OVERLAP_F_B, _K.UNSHARD, _K.RESHARD, _K.REDUCE_GRAD})
 
 
 def _as_inputs(obj: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -158,9 +261,11 @@ class RankExecutor:
                 events.extend((a, t0, t1) for a in step.actions)
                 continue
             action = self.action
-            if not blocking:  # distributed waits block inside the action instead
+            if not blocking:
                 self.comm.poll()
                 yield from self._wait_inputs(action)
+            else:
+                self._receive_inputs(action)  # waits end before the compute's clock starts
             t0 = clock()
             # Grad mode is set per action, never across a yield (in-process ranks interleave).
             with torch.set_grad_enabled(train):
@@ -186,6 +291,20 @@ class RankExecutor:
             else:
                 out.append((("B", action.stage, action.microbatch), self.stage_to_rank[action.stage - 1]))
         return out
+
+    def _receive_inputs(self, action: Action) -> None:
+        """Blocking mode: take the action's messages before its compute is timed, so a measured
+        timeline shows a wait as a gap and an action's box as its compute alone."""
+        for part in action.parts:
+            key = (part.stage, part.microbatch or 0)
+            if part.kind is _K.F:
+                handle = self.recv_f.pop(key, None)
+                if handle is not None:
+                    self.fwd_local[key] = self.comm.take(handle)
+            elif part.kind in (_K.B, _K.I):
+                handle = self.recv_b.pop(key, None)
+                if handle is not None:
+                    self.bwd_local[key] = self.comm.take(handle)
 
     def _wait_inputs(self, action: Action) -> Generator[None, None, None]:
         for part in action.parts:
@@ -255,10 +374,31 @@ class RankExecutor:
 
     # --------------------------------------------------------------- compute
     def _compute(self, action: Action) -> None:
+        fn = self.data.custom.get(action.kind) if self.data.custom else None
+        if fn is None:
+            self._perform(action)
+            return
+        data = self.data
+        fn(
+            CustomAction.of(action),
+            PipelineContext(
+                data.schedule_ref,
+                [a for a, _ in data.inputs] if data.inputs is not None else None,
+                data.kwarg_mbs,
+                data.targets,
+                data.user_losses,
+                dict(self.stages),
+                self,
+            ),
+        )
+
+    def _perform(self, action: Action) -> None:
+        """pipetrain's own implementation of ``action`` (as torch, a custom function replaces
+        only a top-level action: an OVERLAP_F_B's parts run here)."""
         kind = action.kind
         if kind is _K.OVERLAP_F_B:
             for part in action.parts:
-                self._compute(part)
+                self._perform(part)
         elif kind is _K.UNSHARD:
             unshard(self._stage(action.stage))
         elif kind is _K.RESHARD:
@@ -268,16 +408,21 @@ class RankExecutor:
         elif action.microbatch is None:  # pragma: no cover - parsing refuses F/B/I/W without one
             raise PipelineError(f"{self.where()}: {action} names no microbatch")
         elif kind is _K.F:
-            self._forward(action.stage, action.microbatch)
+            s, m = action.stage, action.microbatch
+            args, kwargs = self._forward_inputs(s, m)
+            output = self._stage(s).forward_one_chunk(m, args, kwargs, track=s in self.program.split_stages)
+            self._forward_output(s, m, output)
         elif kind is _K.B or kind is _K.I:
-            self._backward(action.stage, action.microbatch, kind is _K.B)
+            s, m = action.stage, action.microbatch
+            grads = self._stage(s).backward_one_chunk(m, **self._backward_inputs(s, m), full=kind is _K.B)
+            self._backward_output(s, m, grads)
         elif kind is _K.W:
             self._stage(action.stage).backward_weight_one_chunk(action.microbatch)
         else:  # pragma: no cover - every kind is handled above
             raise PipelineError(f"{self.where()}: cannot execute {kind.value}")
 
-    def _forward(self, s: int, m: int) -> None:
-        stage = self._stage(s)
+    def _forward_inputs(self, s: int, m: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        self._stage(s)
         if s == 0:
             try:
                 args, kwargs = self.inputs.pop(m)
@@ -294,11 +439,13 @@ class RankExecutor:
                     f"{self.where()}: input of stage {s} for microbatch {m} was never received (no {s}RECV_F{m})"
                 )
             args, kwargs = _as_inputs(self.comm.take(handle))
-        data = self.data
-        extra = data.stage_kwargs.get(s)
+        extra = self.data.stage_kwargs.get(s)
         if extra is not None:
             kwargs = self._with_stage_kwargs(s, m, kwargs, extra[m])
-        output = stage.forward_one_chunk(m, args, kwargs, track=s in self.program.split_stages)
+        return args, kwargs
+
+    def _forward_output(self, s: int, m: int, output: Any) -> None:
+        data = self.data
         if s == self.num_stages - 1:
             if data.loss_fn is not None and data.targets is not None:
                 self.losses[m] = self._loss(output, data.targets[m])
@@ -331,8 +478,8 @@ class RankExecutor:
             )
         return {**kwargs, **extra}
 
-    def _backward(self, s: int, m: int, full: bool) -> None:
-        stage = self._stage(s)
+    def _backward_inputs(self, s: int, m: int) -> dict[str, Any]:
+        self._stage(s)
         if s == self.num_stages - 1:
             loss = self.losses.get(m)
             if loss is None:
@@ -340,21 +487,20 @@ class RankExecutor:
                     f"{self.where()}: no loss for microbatch {m} (a backward needs loss_fn and a target)"
                 )
             self.losses[m] = loss.detach()
-            grads = stage.backward_one_chunk(
-                m, loss=loss * self.data.loss_scale if self.data.loss_scale != 1.0 else loss, full=full
-            )
+            return {"loss": loss * self.data.loss_scale if self.data.loss_scale != 1.0 else loss}
+        if (s, m) in self.bwd_local:
+            grad_outputs = self.bwd_local.pop((s, m))
         else:
-            if (s, m) in self.bwd_local:
-                grad_outputs = self.bwd_local.pop((s, m))
-            else:
-                handle = self.recv_b.pop((s, m), None)
-                if handle is None:
-                    raise PipelineError(
-                        f"{self.where()}: gradient for stage {s}'s output of microbatch {m} was never received (no {s}RECV_B{m})"
-                    )
-                grad_outputs = self.comm.take(handle)
-            self._check_grads(s, m, grad_outputs)
-            grads = stage.backward_one_chunk(m, grad_outputs=list(grad_outputs), full=full)
+            handle = self.recv_b.pop((s, m), None)
+            if handle is None:
+                raise PipelineError(
+                    f"{self.where()}: gradient for stage {s}'s output of microbatch {m} was never received (no {s}RECV_B{m})"
+                )
+            grad_outputs = self.comm.take(handle)
+        self._check_grads(s, m, grad_outputs)
+        return {"grad_outputs": list(grad_outputs)}
+
+    def _backward_output(self, s: int, m: int, grads: list[torch.Tensor | None]) -> None:
         if s == 0:
             return
         if self.stage_to_rank[s - 1] == self.rank:
