@@ -24,40 +24,58 @@ def _messages(round_: int) -> dict[str, object]:
     }
 
 
-def _exchange(rank: int, world: int, single_tag: bool) -> int:
+# (single tag, control plane, waits on the stream, control plane on a gloo group of its own)
+_CONFIGS = {
+    "tags": (False, False, False, False),
+    "single_tag, headers in the data": (True, False, False, False),
+    "single_tag, control plane, stream waits": (True, True, True, False),
+    "single_tag, control plane on a private gloo group": (True, True, False, True),
+}
+
+
+def _exchange(rank: int, world: int, configs: list[tuple[bool, bool, bool, bool]]) -> list[int]:
     import torch.distributed as dist
 
     from pipetrain.runtime.transport import DistTransport, RecvItem, SendItem, Waiter
+    from pipetrain.runtime.transport.p2p import private_gloo
 
-    waiter = Waiter(None, timeout=60.0, poll=0.05, where=lambda: f"rank {rank}")
-    transport = DistTransport(dist.group.WORLD, torch.device("cpu"), None, waiter, single_tag=single_tag)
-    assert transport.single_tag is single_tag
-    checked = 0
-    for round_ in range(5):  # rounds 0, 2, 4 share "a"'s shape: steady messages between new layouts
-        msgs = _messages(round_)
-        if rank == 0:
-            # One send per batch, so a receiver posting all three at once is ahead of the sender.
-            for key, obj in msgs.items():
-                transport.post([SendItem(key, 1, obj, f"send {key}")])
-        else:
-            handles = transport.post([RecvItem(key, 0, f"recv {key}") for key in msgs])  # three from one peer
-            for handle, (key, want) in zip(reversed(handles), reversed(list(msgs.items())), strict=True):
-                got = transport.wait(handle)  # waited in the opposite order
-                if isinstance(want, dict):  # a plain value travels in the layout
-                    assert isinstance(got, dict) and got["tag"] == want["tag"], (round_, key, got)
-                    got, want = got["x"], want["x"]
-                assert type(got) is type(want), (round_, key, type(got))
-                torch.testing.assert_close(got, want, msg=lambda e, k=key, r=round_: f"round {r}, {k}: {e}")
-                checked += 1
-        transport.finish()
-    waiter.close()
-    return checked
+    counts = []
+    for single_tag, control, stream_waits, private in configs:
+        waiter = Waiter(None, timeout=60.0, poll=0.05, where=lambda: f"rank {rank}")
+        transport = DistTransport(
+            dist.group.WORLD, torch.device("cpu"), None, waiter, single_tag, control, stream_waits
+        )
+        assert transport.single_tag is single_tag and transport.control is control
+        if private:  # what a group without a CPU backend (NCCL alone) gets
+            transport._ctrl_pg = private_gloo(dist.group.WORLD, 60.0)
+            assert transport._ctrl_pg is not dist.group.WORLD
+        checked = 0
+        for round_ in range(5):  # rounds 0, 2, 4 share "a"'s shape: steady messages between new layouts
+            msgs = _messages(round_)
+            if rank == 0:
+                # One send per batch, so a receiver posting all three at once is ahead of the sender.
+                for key, obj in msgs.items():
+                    transport.post([SendItem(key, 1, obj, f"send {key}")])
+            else:
+                handles = transport.post([RecvItem(key, 0, f"recv {key}") for key in msgs])  # three from one peer
+                for handle, (key, want) in zip(reversed(handles), reversed(list(msgs.items())), strict=True):
+                    got = transport.wait(handle)  # waited in the opposite order
+                    if isinstance(want, dict):  # a plain value travels in the layout
+                        assert isinstance(got, dict) and got["tag"] == want["tag"], (round_, key, got)
+                        got, want = got["x"], want["x"]
+                    assert type(got) is type(want), (round_, key, type(got))
+                    torch.testing.assert_close(got, want, msg=lambda e, k=key, r=round_: f"round {r}, {k}: {e}")
+                    checked += 1
+            transport.finish()
+        waiter.close()
+        counts.append(checked)
+    return counts
 
 
-@pytest.mark.parametrize("single_tag", [False, True], ids=["tags", "single_tag"])
-def test_changing_layouts_match_with_and_without_tags(single_tag: bool) -> None:
-    results = run_ranks(_exchange, 2, single_tag)
-    assert results == [0, 25]
+def test_changing_layouts_match_in_every_mode() -> None:
+    """gloo's tags; order-only matching (NCCL's) with headers in the data or on the control plane."""
+    results = run_ranks(_exchange, 2, list(_CONFIGS.values()))
+    assert results == [[0] * len(_CONFIGS), [25] * len(_CONFIGS)]
 
 
 @pytest.mark.parametrize("old, new", [(1, True), (1, 1.0), (0, False)])

@@ -83,6 +83,7 @@ class Waiter:
         self._bg: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._finished: deque[_Job] = deque()
         self._outstanding: deque[tuple[list[Any], str, Any, Callable[[], None] | None]] = deque()
+        self._device: list[Any] = []  # sends of device data, completed on the stream at drain()
         threading.Thread(target=_serve, args=(self._bg, self._finished), daemon=True, name="pipetrain-sends").start()
 
     def wait(self, works: list[Any], what: Any) -> None:
@@ -109,11 +110,39 @@ class Waiter:
                     how = f"failed after {waited:.2g} s (no rank reported a failure)"
                 raise PipelineError(f"{self.where()}: waiting for {what} {how}: {err}") from err
 
-    def background(self, works: list[Any], keep: Any, on_done: Callable[[], None] | None, what: Any) -> None:
+    def wait_stream(self, works: list[Any], what: Any) -> None:
+        """Make the current stream wait for ``works`` (NCCL: no host wait; gloo: a plain wait).
+
+        No timeout: with one, NCCL's ``wait`` blocks the host. A dead peer is found by the
+        control plane's host waits (which have the timeout) and by NCCL's own watchdog.
+        """
+        for work in works:
+            try:
+                work.wait()
+            except Exception as err:
+                story = None if self.failure is None else self.failure.check()
+                if story is not None:
+                    raise RemoteFailureError(
+                        f"{self.where()}: waiting for {_describe(what)} failed because {story}"
+                    ) from err
+                raise PipelineError(f"{self.where()}: waiting for {_describe(what)} failed: {err}") from err
+
+    def background(
+        self,
+        works: list[Any],
+        keep: Any,
+        on_done: Callable[[], None] | None,
+        what: Any,
+        device_works: list[Any] | None = None,
+    ) -> None:
         """Remember a posted send; :meth:`drain` waits for all of them at the end of the step.
 
         ``what`` names it in errors: a string, or ``(what, peer)`` of a send (named only when needed).
+        ``device_works`` complete on the stream (:meth:`wait_stream`); ``keep`` (the sent buffers)
+        is held until then, so their memory is not reused before the send read it.
         """
+        if device_works:
+            self._device.extend(device_works)
         self._outstanding.append((works, what, keep, on_done))
 
     def run_callbacks(self) -> None:
@@ -125,7 +154,11 @@ class Waiter:
                 job.on_done()
 
     def drain(self) -> None:
-        """Wait for every remembered send: one hand-over to the helper thread per step."""
+        """Wait for every remembered send: one hand-over to the helper thread per step (device
+        data first, on the stream; the buffers are dropped only after both)."""
+        if self._device:
+            device, self._device = self._device, []
+            self.wait_stream(device, "sends of the step")
         if self._outstanding:
             jobs = list(self._outstanding)
             self._outstanding.clear()
@@ -164,5 +197,7 @@ class Waiter:
         connection stuck on it, its I/O thread spinning (measured: 80 % of a core).
         """
         _NOTICES.extend(self._outstanding)
+        _NOTICES.extend(self._device)
         self._outstanding.clear()
+        self._device = []
         self._bg.put(None)

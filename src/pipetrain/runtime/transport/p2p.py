@@ -39,6 +39,7 @@ import ctypes
 import os
 from collections import deque
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -47,11 +48,13 @@ import torch.distributed as dist
 from pipetrain.errors import PipelineError
 from pipetrain.runtime.failures import FailureChannel, RemoteFailureError
 from pipetrain.runtime.transport.completion import Waiter, _describe, keep_alive
+from pipetrain.runtime.transport.host import host_read
 from pipetrain.runtime.transport.wire import (
     _FAIL,
     _HEADER,
     _NEW,
     _SAME,
+    _TAG_CONTROL,
     _TAG_NEW,
     _TAG_STEADY,
     Key,
@@ -82,6 +85,74 @@ def _single_tag_default(backend: str) -> bool:
     return backend != "gloo" or os.environ.get("PIPETRAIN_SINGLE_TAG", "") not in ("", "0")
 
 
+def _control_default() -> bool:
+    """The control plane is on unless ``PIPETRAIN_CONTROL_PLANE=0`` (headers in the data, as before)."""
+    return os.environ.get("PIPETRAIN_CONTROL_PLANE", "") != "0"
+
+
+_PRIVATE: dict[Any, Any] = {}  # data group -> the gloo group made for its control plane
+
+
+def control_group(group: Any, backend: str, timeout: float = 1800.0) -> Any:
+    """A process group that carries CPU tensors between the ranks of ``group``, in its rank numbering.
+
+    ``group`` itself when it can: gloo, or a group with a CPU backend beside its device one
+    (``init_process_group()`` without a backend gives ``cpu:gloo,cuda:nccl``). Else a gloo group
+    over ``group``'s store, made once per group; every rank of ``group`` builds its runtime, so
+    every rank makes it, as the rendezvous needs.
+    """
+    if backend == "gloo":
+        return group
+    try:
+        group._get_backend(torch.device("cpu"))
+        return group
+    except Exception:  # no CPU backend on this group (NCCL alone)
+        pass
+    return private_gloo(group, timeout)
+
+
+def private_gloo(group: Any, timeout: float = 1800.0) -> Any:
+    """A gloo group over the ranks of ``group`` (same rank numbering), made once per group."""
+    made = _PRIVATE.get(group)
+    if made is None:
+        c10d = dist.distributed_c10d
+        entry = c10d._world.pg_map.get(group)
+        store = entry[1] if entry is not None else c10d._get_default_store()
+        name = str(getattr(group, "group_name", "world"))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        prefix = c10d.PrefixStore(f"pipetrain-control/{name}@{attempt}/", store)
+        made = dist.ProcessGroupGloo(
+            prefix, dist.get_rank(group), dist.get_world_size(group), timedelta(seconds=timeout)
+        )
+        _PRIVATE[group] = made
+    return made
+
+
+class _Joint:
+    """One work standing for several operations (a coalesced NCCL batch returns a single work)."""
+
+    __slots__ = ("works",)
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def wait(self, *timeout: Any) -> bool:
+        for work in self.works:
+            work.wait(*timeout)
+        return True
+
+
+def _ctrl_header(flag: int, layout_bytes: int, payload_bytes: int) -> torch.Tensor:
+    header = torch.zeros(_HEADER, dtype=torch.int64)
+    header[0], header[1], header[2] = flag, layout_bytes, payload_bytes
+    return header
+
+
+def _word(t: torch.Tensor, i: int) -> int:
+    """Word ``i`` of a control header: host memory, read in place (no copy, nothing counted)."""
+    return int(ctypes.c_int64.from_address(t.data_ptr() + 8 * i).value)
+
+
 class DistTransport:
     """Point-to-point messages between the ranks of ``group`` (group ranks throughout).
 
@@ -98,6 +169,8 @@ class DistTransport:
         failure: FailureChannel | None,
         waiter: Waiter,
         single_tag: bool | None = None,
+        control: bool | None = None,
+        stream_waits: bool | None = None,
     ) -> None:
         self.group = group
         self.device = device
@@ -114,23 +187,38 @@ class DistTransport:
         self._tag_new = _TAG_STEADY if self.single_tag else _TAG_NEW
         # gloo runs each operation on its own; posting directly skips per-call Python overhead.
         self._pg: Any = group_obj if backend == "gloo" else None
+        # Order-only matching: headers and layouts travel on a CPU channel (see the module docstring).
+        use_control = self.single_tag and (_control_default() if control is None else control)
+        self._ctrl_pg: Any = control_group(group_obj, backend) if use_control else None
+        # Device data: a receive is waited for on the consuming stream, sends at the step's end on
+        # the stream too (no host wait). Forced on the CPU by tests (gloo's wait then blocks).
+        self.stream_waits = device.type != "cpu" if stream_waits is None else stream_waits
 
-    def _launch(self, ops: list[_Op]) -> list[Any]:
-        """Post operations: straight on a gloo group (no Python wrappers), else as one batch."""
+    @property
+    def control(self) -> bool:
+        """Whether headers and layouts travel on the CPU control plane."""
+        return self._ctrl_pg is not None
+
+    def _launch(self, ops: list[_Op], control: bool = False) -> list[Any]:
+        """Post operations, one work per operation: straight on a gloo group (no Python wrappers)
+        or the control group, else as one batch (whose single coalesced work then stands for each)."""
         if not ops:
             return []
         try:
-            if self._pg is not None:
-                pg = self._pg
+            pg = self._ctrl_pg if control else self._pg
+            if pg is not None:
                 return [
                     pg.send([t], peer, tag) if is_send else pg.recv([t], peer, tag) for is_send, t, peer, tag in ops
                 ]
-            return dist.batch_isend_irecv(
+            works: list[Any] = dist.batch_isend_irecv(
                 [
                     dist.P2POp(dist.isend if is_send else dist.irecv, t, group=self.group, tag=tag, group_peer=peer)
                     for is_send, t, peer, tag in ops
                 ]
             )
+            if len(works) != len(ops):
+                works = [_Joint(list(works))] * len(ops)
+            return list(works)
         except RuntimeError as err:  # a peer's connection closed: tell why if that rank left its story
             story = None if self.failure is None else self.failure.check()
             peers = sorted({peer for _, _, peer, _ in ops})
@@ -149,57 +237,67 @@ class DistTransport:
         Sends go first. Every message is built before any is posted, so one that cannot be built
         (say, an unpicklable value) posts nothing. In single-tag mode the batch is cut before a
         second receive from the same peer, and the headers of each part are read right after it
-        is posted (see the module docstring).
+        is posted (see the module docstring); with the control plane, on the CPU channel.
         """
         ops: list[_Op] = []
-        sends: list[tuple[int, int, SendItem, list[torch.Tensor]]] = []
+        ctrl: list[_Op] = []
+        sends: list[tuple[int, int, int, int, SendItem, list[torch.Tensor]]] = []
         for item in items:
             if isinstance(item, SendItem):
-                start = len(ops)
-                keep = self._send_ops(item, ops)
-                sends.append((start, len(ops), item, keep))
+                start, cstart = len(ops), len(ctrl)
+                keep = self._send_ops(item, ops, ctrl)
+                sends.append((start, len(ops), cstart, len(ctrl), item, keep))
         handles: list[RecvHandle] = []
         part: list[RecvHandle] = []
         peers: set[int] = set()
-        works: list[Any] | None = None
+        works: tuple[list[Any], list[Any]] | None = None
         for item in items:
             if isinstance(item, SendItem):
                 continue
             if self.single_tag and item.peer in peers:
-                launched = self._flush(ops, part)
+                launched = self._flush(ops, ctrl, part)
                 works = launched if works is None else works
-                ops, part, peers = [], [], set()
-            handle = self._recv_ops(item, ops)
+                ops, ctrl, part, peers = [], [], [], set()
+            handle = self._recv_ops(item, ops, ctrl)
             handles.append(handle)
             part.append(handle)
             peers.add(item.peer)
-        launched = self._flush(ops, part)
-        works = launched if works is None else works
-        for start, end, send, keep in sends:
-            self.waiter.background(works[start:end], keep, None, (send.what, send.peer))
+        launched = self._flush(ops, ctrl, part)
+        data_works, ctrl_works = launched if works is None else works
+        for start, end, cstart, cend, send, keep in sends:
+            if self.stream_waits:  # device data completes on the stream; control on the host
+                self.waiter.background(
+                    ctrl_works[cstart:cend], keep, None, (send.what, send.peer), data_works[start:end]
+                )
+            else:
+                self.waiter.background(
+                    data_works[start:end] + ctrl_works[cstart:cend], keep, None, (send.what, send.peer)
+                )
             if send.on_done is not None:
                 send.on_done()  # the data was copied into the message
         return handles
 
-    def _flush(self, ops: list[_Op], part: list[RecvHandle]) -> list[Any]:
-        """Launch ``ops``; in single-tag mode settle the receives among them at once."""
+    def _flush(self, ops: list[_Op], ctrl: list[_Op], part: list[RecvHandle]) -> tuple[list[Any], list[Any]]:
+        """Launch ``ctrl`` (first: the peers' headers wait on it), then ``ops``; in single-tag mode
+        settle the receives among them at once."""
+        ctrl_works = self._launch(ctrl, control=True)
         works = self._launch(ops)
         for handle in part:
             handle.works = [works[i] for i in handle.works]
+            handle.ctrl_works = [ctrl_works[i] for i in handle.ctrl_works]
         if self.single_tag and part:
             self._settle(part)
-        return works
+        return works, ctrl_works
 
-    def _send_ops(self, item: SendItem, ops: list[_Op]) -> list[torch.Tensor]:
+    def _send_ops(self, item: SendItem, ops: list[_Op], ctrl: list[_Op]) -> list[torch.Tensor]:
         obj, item.obj = item.obj, None  # packed below: the message keeps no reference to the output
+        control = self._ctrl_pg is not None
         sig = _signature(obj)
         old = self._sent.get(item.key)
         if sig is not None and old is not None and self._sent_sig.get(item.key) == sig:
             # Steady state of a plain message: same container and tensor specs, no pytree needed.
             tensors = [obj.detach()] if sig[0] is torch.Tensor else [t.detach() for t in obj]
-            flat = _pack(_SAME, 0, 0, old, tensors, self.device)
-            ops.append((True, flat, item.peer, _TAG_STEADY))
-            return [flat]
+            return self._steady(item, old, tensors, ops, ctrl)
         layout, tensors = layout_of(obj)
         tensors = [t.detach() for t in tensors]
         if sig is not None and layout.simple is sig[0]:
@@ -207,35 +305,67 @@ class DistTransport:
         else:
             self._sent_sig.pop(item.key, None)
         if old is not None and _same(old, layout):
-            flat = _pack(_SAME, 0, 0, layout, tensors, self.device)
-            ops.append((True, flat, item.peer, _TAG_STEADY))
-            return [flat]
+            return self._steady(item, layout, tensors, ops, ctrl)
         # The receiver posted a message of the remembered size: fill it with a notice giving the
-        # sizes of the two follow-ups (the new layout, then the packed tensors).
-        encoded = layout.encode().to(self.device)
-        payload = _pack(_NEW, 0, 0, layout, tensors, self.device)
-        notice = _pack(_NEW, encoded.numel(), payload.nbytes, old, [], self.device)
+        # sizes of the two follow-ups (the new layout, then the packed tensors). With the control
+        # plane the notice's words and the layout go there instead; the data plane carries the
+        # (unread) notice and the tensors.
+        encoded = layout.encode()
+        payload = _pack(_NEW, 0, 0, layout, tensors, self.device, header=not control)
+        notice = _pack(_NEW, encoded.numel(), payload.nbytes, old, [], self.device, header=not control)
         ops.append((True, notice, item.peer, _TAG_STEADY))
-        ops.append((True, encoded, item.peer, self._tag_new))
+        if control:
+            header = _ctrl_header(_NEW, encoded.numel(), payload.nbytes)
+            ctrl.append((True, header, item.peer, _TAG_CONTROL))
+            ctrl.append((True, encoded, item.peer, _TAG_CONTROL))
+            keep = [notice, payload, header, encoded]
+        else:
+            encoded = encoded.to(self.device)
+            ops.append((True, encoded, item.peer, self._tag_new))
+            keep = [notice, encoded, payload]
         ops.append((True, payload, item.peer, self._tag_new))
         _fingerprint(layout)  # now: the plain values as sent, before the caller may change them
         self._sent[item.key] = layout
-        return [notice, encoded, payload]
+        return keep
 
-    def _recv_ops(self, item: RecvItem, ops: list[_Op]) -> RecvHandle:
+    def _steady(
+        self, item: SendItem, layout: Layout, tensors: list[torch.Tensor], ops: list[_Op], ctrl: list[_Op]
+    ) -> list[torch.Tensor]:
+        """A message whose layout the receiver knows: one data operation (and a header on the control plane)."""
+        if self._ctrl_pg is None:
+            flat = _pack(_SAME, 0, 0, layout, tensors, self.device)
+            ops.append((True, flat, item.peer, _TAG_STEADY))
+            return [flat]
+        flat = _pack(_SAME, 0, 0, layout, tensors, self.device, header=False)
+        header = _ctrl_header(_SAME, 0, 0)
+        ops.append((True, flat, item.peer, _TAG_STEADY))
+        ctrl.append((True, header, item.peer, _TAG_CONTROL))
+        return [flat, header]
+
+    def _recv_ops(self, item: RecvItem, ops: list[_Op], ctrl: list[_Op]) -> RecvHandle:
         cached = self._received.get(item.key)
         flat = _recv_buffer(cached, self.device)
         handle = RecvHandle(item.key, item.peer, item.what, flat=flat, cached=cached)
         handle.works = [len(ops)]  # replaced by the Work objects once posted
         ops.append((False, flat, item.peer, _TAG_STEADY))
+        if self._ctrl_pg is not None:
+            handle.ctrl = torch.empty(_HEADER, dtype=torch.int64)
+            handle.ctrl_works = [len(ctrl)]
+            ctrl.append((False, handle.ctrl, item.peer, _TAG_CONTROL))
         if not self.single_tag:
             self._unresolved.setdefault(item.peer, deque()).append(handle)
         return handle
 
     def _settle(self, handles: Sequence[RecvHandle]) -> None:
-        """Read the headers of ``handles`` (in order) and post the follow-ups of new layouts."""
+        """Read the headers of ``handles`` (in order) and post the follow-ups of new layouts.
+
+        With the control plane the headers are host memory (the data is not waited for: its
+        operation completes on the consuming stream, at :meth:`wait`); without it they are read
+        from the received data, on the host (:func:`host_read`).
+        """
         ops: list[_Op] = []
-        pending: list[tuple[RecvHandle, int]] = []
+        ctrl: list[_Op] = []
+        pending: list[tuple[RecvHandle, int, int]] = []
         for handle in handles:
             flag = self._wait_early(handle)
             handle.settled = True
@@ -244,19 +374,37 @@ class DistTransport:
             if flag == _SAME and handle.cached is not None:
                 handle.layout = handle.cached
                 continue
-            header = _bytes(flat)[: _HEADER * 8].view(torch.int64)
-            encoded = torch.empty(int(header[1]), dtype=torch.uint8, device=self.device)
-            payload = torch.empty(int(header[2]), dtype=torch.uint8, device=self.device)
+            if handle.ctrl is not None:
+                layout_bytes, payload_bytes = _word(handle.ctrl, 1), _word(handle.ctrl, 2)
+                encoded = torch.empty(layout_bytes, dtype=torch.uint8)
+                handle.stub = flat  # its operation may still be in flight
+                pending.append((handle, len(ops), len(ctrl)))
+                ctrl.append((False, encoded, handle.peer, _TAG_CONTROL))
+            else:
+                words = host_read(_bytes(flat)[: _HEADER * 8].view(torch.int64)[:3])
+                assert isinstance(words, list)
+                layout_bytes, payload_bytes = words[1], words[2]
+                encoded = torch.empty(layout_bytes, dtype=torch.uint8, device=self.device)
+                pending.append((handle, len(ops), -1))
+                ops.append((False, encoded, handle.peer, self._tag_new))
+            payload = torch.empty(payload_bytes, dtype=torch.uint8, device=self.device)
             handle.encoded, handle.flat = encoded, payload
-            pending.append((handle, len(ops)))
-            ops.append((False, encoded, handle.peer, self._tag_new))
             ops.append((False, payload, handle.peer, self._tag_new))
+        ctrl_works = self._launch(ctrl, control=True)
         works = self._launch(ops)
-        for handle, i in pending:
-            handle.works = works[i : i + 2]
+        for handle, i, c in pending:
+            if c < 0:
+                handle.works = works[i : i + 2]
+            else:
+                handle.works = [*handle.works, works[i]]
+                handle.ctrl_works = [ctrl_works[c]]
 
     def wait(self, handle: RecvHandle) -> Any:
-        """The received object; blocks (watching for failures elsewhere) until it has arrived."""
+        """The received object; blocks (watching for failures elsewhere) until it has arrived.
+
+        With ``stream_waits`` the data is waited for on the current (consuming) stream instead:
+        the host goes on queueing work, and the device runs the consumer once the data landed.
+        """
         if not handle.settled:
             queue = self._unresolved.get(handle.peer)
             if handle.cached is not None:
@@ -271,13 +419,26 @@ class DistTransport:
             # Follow-ups travel on their own tag, which both sides use in posting order.
             while not handle.settled and queue:
                 self._settle([queue.popleft()])
+        if handle.ctrl_works:  # the layout bytes, on the control plane
+            self.waiter.wait(handle.ctrl_works, handle)
+            handle.ctrl_works = []
         if handle.works:
-            self.waiter.wait(handle.works, handle)
+            if self.stream_waits:
+                self.waiter.wait_stream(handle.works, handle)
+            else:
+                self.waiter.wait(handle.works, handle)
             handle.works = []
         layout = handle.layout
         if layout is None:
-            assert handle.encoded is not None
-            layout = handle.layout = Layout.decode(handle.encoded)
+            encoded = handle.encoded
+            assert encoded is not None
+            if encoded.device.type == "cpu" and handle.ctrl is not None:
+                data = encoded.numpy().tobytes()  # host memory: the control plane's
+            else:
+                values = host_read(encoded)
+                assert isinstance(values, list)
+                data = bytes(values)
+            layout = handle.layout = Layout.decode(data)
             old = self._received.get(handle.key)
             if old is not None:
                 self._before[handle.key] = old
@@ -285,7 +446,7 @@ class DistTransport:
         flat = handle.flat
         assert flat is not None
         value = rebuild(layout, _unpack(flat, layout))
-        handle.flat = handle.encoded = handle.layout = handle.cached = None
+        handle.flat = handle.encoded = handle.layout = handle.cached = handle.ctrl = handle.stub = None
         handle.resolved = True
         return value
 
@@ -323,18 +484,26 @@ class DistTransport:
 
     @staticmethod
     def _flag(handle: RecvHandle) -> int:
+        if handle.ctrl is not None:  # host memory: the control plane's header
+            return _word(handle.ctrl, 0)
         flat = handle.flat
         assert flat is not None
-        if flat.device.type == "cpu":  # the flag is the low byte of the first header word
-            return int(ctypes.c_uint8.from_address(flat.data_ptr()).value)
-        return int(_bytes(flat)[0])
+        flag = host_read(flat, first_byte=True)  # the low byte of the first header word
+        assert isinstance(flag, int)
+        return flag
 
     def _wait_early(self, handle: RecvHandle) -> int:
-        """Wait for the first message of ``handle``; its flag (raises on a failure notice)."""
-        if not handle.works:
+        """Wait for the header of ``handle`` (with the control plane, there; else the first
+        message); its flag (raises on a failure notice)."""
+        if handle.ctrl is not None:
+            if handle.ctrl_works:
+                self.waiter.wait(handle.ctrl_works, handle)
+                handle.ctrl_works = []
+        elif not handle.works:
             return self._flag(handle)
-        self.waiter.wait(handle.works, handle)
-        handle.works = []
+        else:
+            self.waiter.wait(handle.works, handle)
+            handle.works = []
         flag = self._flag(handle)
         if flag == _FAIL:
             failure = self.failure
@@ -349,20 +518,26 @@ class DistTransport:
         """Wake the peers waiting for our messages ``(key, peer)`` with failure notices; never waits.
 
         Each notice has the size the receiver posted for that key (both sides remember the same
-        layouts), so it completes the receive the peer is blocked in.
+        layouts), so it completes the receive the peer is blocked in; with the control plane a
+        failure header goes there too (where the peer waits).
         """
         ops: list[_Op] = []
+        ctrl: list[_Op] = []
         for key, peer in sends:
             notice = _pack(_FAIL, 0, 0, self._sent.get(key), [], self.device)
             ops.append((True, notice, peer, _TAG_STEADY))
-        if ops:
-            try:
-                keep_alive(self._launch(ops))
-            except Exception:  # the connection may already be gone; the peers then see it closed
-                pass
+            if self._ctrl_pg is not None:
+                ctrl.append((True, _ctrl_header(_FAIL, 0, 0), peer, _TAG_CONTROL))
+        for group, control in ((ctrl, True), (ops, False)):
+            if group:
+                try:
+                    keep_alive(self._launch(group, control=control))
+                    keep_alive(t for _, t, _, _ in group)
+                except Exception:  # the connection may already be gone; the peers then see it closed
+                    pass
 
     def finish(self) -> None:
-        """Block until every send of the step has completed (watching for failures)."""
+        """Every send of the step completed (watching for failures); device data on the stream."""
         self.waiter.drain()
 
     def park(self, handles: Sequence[RecvHandle]) -> None:

@@ -20,7 +20,7 @@ __all__ = ["Layout", "RecvHandle", "RecvItem", "SendItem", "layout_of", "rebuild
 Key = tuple[str, int, int]  # (direction "F" or "B", source stage, microbatch)
 _HEADER = 8  # int64 words: [flag, layout bytes, payload bytes, 0...]; 64 bytes keep tensors aligned
 _SAME, _NEW, _FAIL = 0, 1, 2
-_TAG_STEADY, _TAG_NEW = 0, 1
+_TAG_STEADY, _TAG_NEW, _TAG_CONTROL = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -74,8 +74,9 @@ class Layout:
         return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
     @staticmethod
-    def decode(buf: torch.Tensor) -> Layout:
-        spec, plain, tensors = pickle.loads(bytes(buf.tolist()))
+    def decode(data: bytes) -> Layout:
+        """The layout :meth:`encode` wrote (its bytes read on the host by the caller)."""
+        spec, plain, tensors = pickle.loads(data)
         return Layout(treespec_loads(spec) if isinstance(spec, str) else spec, plain, tensors)
 
 
@@ -211,9 +212,19 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 def _pack(
-    flag: int, extra: int, extra2: int, layout: Layout | None, tensors: list[torch.Tensor], device: torch.device
+    flag: int,
+    extra: int,
+    extra2: int,
+    layout: Layout | None,
+    tensors: list[torch.Tensor],
+    device: torch.device,
+    header: bool = True,
 ) -> torch.Tensor:
-    """One flat byte buffer: the int64 header, then each tensor at an aligned offset."""
+    """One flat byte buffer: the int64 header, then each tensor at an aligned offset.
+
+    ``header=False`` leaves the header bytes unwritten (the control plane carries them; on a GPU
+    that saves four small kernels per message).
+    """
     slots, total = _slots(layout)
     if device.type == "cpu" and len(tensors) == 1 and slots[0][1] and extra == 0:
         # The common case, in one copy: header and the tensor side by side.
@@ -228,11 +239,12 @@ def _pack(
         parts = [_header_bytes(flag), body] + ([torch.zeros(pad, dtype=torch.uint8)] if pad else [])
         return torch.cat(parts)
     flat = torch.empty(total, dtype=torch.uint8, device=device)
-    header = flat[: _HEADER * 8].view(torch.int64)
-    header.zero_()
-    header[0] = flag
-    header[1] = extra
-    header[2] = extra2
+    if header:
+        words = flat[: _HEADER * 8].view(torch.int64)
+        words.zero_()
+        words[0] = flag
+        words[1] = extra
+        words[2] = extra2
     for t, (offset, nbytes) in zip(tensors, slots, strict=False):
         if nbytes:
             flat[offset : offset + nbytes].view(t.dtype).view(t.shape).copy_(t)
@@ -302,7 +314,10 @@ class RecvHandle:
     """A posted receive; ``DistTransport.wait`` turns it into the received object.
 
     ``works`` are the operations still to wait for: the first message until its header was read
-    (``settled``), then the follow-ups of a new layout (``encoded`` and ``flat``), if any.
+    (``settled``), then the follow-ups of a new layout (``encoded`` and ``flat``), if any. With a
+    control plane, ``ctrl`` is the header received there (host memory) and ``ctrl_works`` its
+    operations (then those of the layout bytes); ``stub`` keeps the buffer of a first message
+    whose layout changed alive until its operation completed.
     """
 
     key: Key
@@ -316,6 +331,9 @@ class RecvHandle:
     settled: bool = False
     layout: Layout | None = None
     encoded: torch.Tensor | None = None
+    ctrl: torch.Tensor | None = None
+    ctrl_works: list[Any] = field(default_factory=list)
+    stub: torch.Tensor | None = None
 
 
 @dataclass
