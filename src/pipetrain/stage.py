@@ -23,6 +23,7 @@ from pipetrain._backward import (
     backward_weight,
     defer_all,
 )
+from pipetrain._streams import current_stream, on_stream
 from pipetrain.errors import PipelineError
 
 if TYPE_CHECKING:
@@ -42,6 +43,7 @@ class _Microbatch:
     out_needs_grad: list[bool] = field(default_factory=list)  # per output tensor leaf
     saved: SavedTensors | None = None
     plan: WeightGradPlan | None = None  # set by I, consumed by W
+    stream: Any = None  # the stream I ran on (a device with streams): W runs there too
     # First stage only: the caller's tensors behind ``inputs`` (a microbatch's view of a batch
     # that requires grad, or a leaf such as a learnable scale), which get the input gradients.
     origins: list[torch.Tensor] = field(default_factory=list)
@@ -289,6 +291,7 @@ class PipelineStage:
         if full:
             self._drop(mb)
         else:
+            state.stream = current_stream(self.device)
             state.output_edges, state.outputs = [], []
             if state.plan is not None and state.plan.full_in_input_pass is not None and state.saved is not None:
                 state.saved.release_all()  # I already did everything: nothing is left for W
@@ -302,7 +305,8 @@ class PipelineStage:
                 f"{self._where(mb, 'W')}: the weight-grad backward needs the input-grad backward (I) first"
             )
         try:
-            backward_weight(state.plan)
+            with on_stream(state.stream, self.device):
+                backward_weight(state.plan)
         except RuntimeError as exc:
             raise PipelineError(f"{self._where(mb, 'W')}: backward failed: {exc}") from exc
         self._drop(mb)
