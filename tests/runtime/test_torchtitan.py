@@ -1,0 +1,284 @@
+"""torchtitan 0.3.0 on pipetrain with only its imports changed.
+
+torchtitan's own ``pipeline_llm`` (its installed package, not a copy) splits a tiny Llama 3 into
+stages and builds the schedule, with the names its module imported from
+``torch.distributed.pipelining`` (and ``.schedules``) pointed at pipetrain's. The step is then
+called as torchtitan's trainer and validator call it: the pre-split ``step(arg_mbs=, kwarg_mbs=,
+target_mbs=, losses=, loss_kwargs=, return_outputs=False)`` and ``eval(...)``, on packed
+microbatches of different lengths, for every schedule torchtitan offers that fits the model; the
+losses and gradients are those of the same model trained without pipelining, and (with
+microbatches of one length, the form torch 2.13 accepts) those of torch's own runtime.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import importlib
+import importlib.util
+import inspect
+import tempfile
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from support.dist import run_ranks
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.torch_interop,
+    # looked up, not imported: only the ranks pay for importing it
+    pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason="torchtitan: dev extra, Python >= 3.11"),
+]
+
+SCHEDULES = ["1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
+TORCH_ACCEPTS = ["1F1B", "Interleaved1F1B"]  # also run on torch's runtime (whole batch, one length)
+N_MB = 4
+VOCAB = 64
+_PIPETRAIN = {
+    "torch.distributed.pipelining": "pipetrain",
+    "torch.distributed.pipelining.schedules": "pipetrain.schedules",
+    "torch.distributed.pipelining.stage": "pipetrain.stage",
+}
+
+
+def _point_imports_at_pipetrain(module: Any) -> dict[str, Any]:
+    """Rebind each name ``module`` imported from torch.distributed.pipelining to pipetrain's:
+    the edit of its imports a user makes. Returns the original bindings (to undo it)."""
+    original: dict[str, Any] = {}
+    for node in ast.walk(ast.parse(inspect.getsource(module))):
+        if isinstance(node, ast.ImportFrom) and node.module in _PIPETRAIN:
+            target = importlib.import_module(_PIPETRAIN[node.module])
+            for alias in node.names:
+                bound = alias.asname or alias.name
+                original[bound] = getattr(module, bound)
+                setattr(module, bound, getattr(target, alias.name))
+    return original
+
+
+def _tiny_llama3() -> Any:
+    """torchtitan's debug Llama 3, shrunk, with SDPA attention (as torchtitan's own graph tests
+    do: FlexAttention's BlockMask does not run on a CPU-only torch)."""
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm, compute_ffn_hidden_dim
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers
+
+    dim, n_heads = 32, 4
+    config = Llama3Model.Config(
+        dim=dim,
+        vocab_size=VOCAB,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=dim),
+        norm=RMSNorm.Config(normalized_shape=dim),
+        lm_head=Linear.Config(in_features=dim, out_features=VOCAB),
+        layers=_build_llama3_layers(
+            n_layers=2,
+            dim=dim,
+            n_heads=n_heads,
+            hidden_dim=compute_ffn_hidden_dim(dim, multiple_of=32),
+            rope=ComplexRoPE.Config(dim=dim // n_heads, max_seq_len=64, theta=500000, scaling="llama"),
+            attn_backend="flex",
+        ),
+    )
+    for layer in config.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    return config
+
+
+def _packed_batch(lengths: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """Per microbatch one row of two packed documents: tokens, per-document positions, labels."""
+    g = torch.Generator().manual_seed(3)
+    tokens = [torch.randint(0, VOCAB, (1, n), generator=g) for n in lengths]
+    labels = [torch.randint(0, VOCAB, (1, n), generator=g) for n in lengths]
+    positions = [torch.cat([torch.arange(n // 2), torch.arange(n - n // 2)]).unsqueeze(0) for n in lengths]
+    return tokens, positions, labels
+
+
+def _plain(model: torch.nn.Module, loss_fn: Any, batch: Any, gvt: torch.Tensor) -> tuple[list[Any], dict[str, Any]]:
+    """The same model trained without pipelining: per-microbatch losses, gradients by name."""
+    ref = copy.deepcopy(model)
+    losses = []
+    for x, pos, y in zip(*batch, strict=True):
+        loss, _ = loss_fn(ref(x, positions=pos), y, global_valid_tokens=gvt)
+        loss.backward()
+        losses.append(loss.detach())
+    return losses, {n: p.grad for n, p in ref.named_parameters()}
+
+
+def _overlap_in_thread(calls: list[str]) -> Any:
+    """A custom OVERLAP_F_B: the forward runs in a second thread while the backward runs."""
+    from pipetrain.schedules import FULL_BACKWARD
+
+    def run(action: Any, ctx: Any) -> None:
+        f, b = action.sub_actions
+        args, kwargs = ctx.forward_inputs(f.stage_index, f.microbatch_index)
+        bwd = ctx.backward_inputs(b.stage_index, b.microbatch_index)
+        out: dict[str, Any] = {}
+
+        def forward() -> None:
+            with torch.enable_grad():
+                out["y"] = ctx.stages[f.stage_index].forward_one_chunk(f.microbatch_index, args, kwargs)
+
+        thread = threading.Thread(target=forward)
+        thread.start()
+        grads = ctx.stages[b.stage_index].backward_one_chunk(
+            b.microbatch_index, **bwd, full=b.computation_type is FULL_BACKWARD
+        )
+        thread.join()
+        ctx.forward_done(f.stage_index, f.microbatch_index, out["y"])
+        ctx.backward_done(b.stage_index, b.microbatch_index, grads)
+        calls.append(str(action))
+
+    return run
+
+
+def _build(name: str, world: int, model: Any, config: Any, loss_fn: Any, parallel_dims: Any) -> Any:
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed.pipeline_parallel import pipeline_llm
+
+    with tempfile.TemporaryDirectory() as dump:
+        return pipeline_llm(
+            model,
+            parallel_dims=parallel_dims,
+            training=TrainingConfig(local_batch_size=N_MB, mixed_precision_param="float32"),
+            parallelism=ParallelismConfig(
+                pipeline_parallel_degree=world,
+                pipeline_parallel_schedule=name,
+                pipeline_parallel_microbatch_size=1,
+            ),
+            compile_config=CompileConfig(),
+            ac_config=None,
+            dump_folder=dump,
+            device=torch.device("cpu"),
+            model_config=config,
+            parallelize_fn=lambda m, **_: m,  # no TP/FSDP/AC/compile on this CPU test
+            loss_fn=loss_fn,
+        )
+
+
+def _worker(rank: int, world: int, schedules: list[str]) -> dict[str, Any]:
+    import torchtitan.distributed.parallel_dims as titan_dims
+    import torchtitan.distributed.pipeline_parallel as titan_pp
+    from torchtitan.components.loss import CrossEntropyLoss
+    from torchtitan.distributed import ParallelDims
+
+    import pipetrain
+    from pipetrain.schedules import OVERLAP_F_B
+
+    titan_dims.device_type = "cpu"  # torchtitan says "cuda" on a machine without an accelerator
+    parallel_dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=world, ep=1, world_size=world)
+    parallel_dims.build_mesh()
+    config = _tiny_llama3()
+    loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config())
+    report: dict[str, Any] = {"torch": _against_torch(rank, world, TORCH_ACCEPTS, config, loss_fn, parallel_dims)}
+    torch_names = _point_imports_at_pipetrain(titan_pp)
+    report["replaced"] = sorted(torch_names)
+    batch = _packed_batch([5, 8, 6, 9])  # packed documents: every microbatch a different length
+    gvt = torch.tensor(sum(y.numel() for y in batch[2]))
+    for name in schedules:
+        t0 = time.perf_counter()
+        torch.manual_seed(0)
+        model = config.build()
+        model.init_states()
+        ref_losses, ref_grads = _plain(model, loss_fn, batch, gvt)
+        schedule, parts, first, last = _build(name, world, model, config, loss_fn, parallel_dims)
+        assert isinstance(schedule, pipetrain.PipelineScheduleRuntime), type(schedule)
+        calls: list[str] = []
+        if name == "DualPipeV":
+            schedule.register_custom_function(OVERLAP_F_B, _overlap_in_thread(calls))
+        tokens, positions, labels = batch
+        # torchtitan's Trainer.pp_forward_backward_step, call for call
+        losses: list[torch.Tensor] | None = [] if last else None
+        schedule.step(
+            arg_mbs=[(x,) for x in tokens] if first else None,
+            kwarg_mbs=[{"positions": p} for p in positions],
+            target_mbs=list(labels) if last else None,
+            losses=losses,
+            loss_kwargs={"global_valid_tokens": gvt},
+            return_outputs=False,
+        )
+        got = {n: p.grad for part in parts for n, p in part.named_parameters()}
+        assert got, f"{name}: rank {rank} holds no parameters"
+        for n, g in got.items():
+            torch.testing.assert_close(g, ref_grads[n], msg=lambda m, n=n, s=name: f"{s} rank {rank} {n}: {m}")
+        # torchtitan's Validator.validate: eval with the same microbatches, losses summed
+        eval_losses: list[torch.Tensor] | None = [] if last else None
+        with torch.no_grad():
+            schedule.eval(
+                arg_mbs=[(x,) for x in tokens] if first else None,
+                kwarg_mbs=[{"positions": p} for p in positions],
+                target_mbs=list(labels) if last else None,
+                losses=eval_losses,
+            )
+        if last:
+            assert losses is not None and eval_losses is not None
+            torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses))
+            plain_sums = [loss * gvt for loss in ref_losses]  # eval has no global_valid_tokens
+            torch.testing.assert_close(torch.stack(eval_losses), torch.stack(plain_sums))
+        report[name] = {"params": len(got), "overlaps": len(calls), "s": time.perf_counter() - t0}
+    return report
+
+
+def _against_torch(rank: int, world: int, schedules: list[str], config: Any, loss_fn: Any, parallel_dims: Any) -> Any:
+    """torch's own runtime under torchtitan's unchanged imports: the whole-batch step torch 2.13
+    takes (microbatches of one length), against pipetrain's pre-split step on the same data."""
+    import torchtitan.distributed.pipeline_parallel as titan_pp
+
+    tokens, positions, labels = _packed_batch([7] * N_MB)
+    gvt = torch.tensor(sum(y.numel() for y in labels))
+    out: dict[str, Any] = {}
+    for name in schedules:
+        grads: list[dict[str, torch.Tensor]] = []
+        for use_pipetrain in (False, True):
+            original = _point_imports_at_pipetrain(titan_pp) if use_pipetrain else {}
+            torch.manual_seed(0)
+            model = config.build()
+            model.init_states()
+            schedule, parts, first, last = _build(name, world, model, config, loss_fn, parallel_dims)
+            losses: list[torch.Tensor] = []
+            if use_pipetrain:
+                schedule.step(
+                    arg_mbs=[(x,) for x in tokens] if first else None,
+                    kwarg_mbs=[{"positions": p} for p in positions],
+                    target_mbs=list(labels) if last else None,
+                    losses=losses if last else None,
+                    loss_kwargs={"global_valid_tokens": gvt},
+                    return_outputs=False,
+                )
+            else:
+                whole = (torch.cat(tokens),) if first else ()
+                schedule.step(
+                    *whole,
+                    target=torch.cat(labels) if last else None,
+                    losses=losses if last else None,
+                    loss_kwargs={"global_valid_tokens": gvt},
+                    positions=torch.cat(positions),
+                    return_outputs=False,
+                )
+            for bound, value in original.items():
+                setattr(titan_pp, bound, value)
+            grads.append({n: p.grad for part in parts for n, p in part.named_parameters()})
+            out.setdefault(name, []).append([float(v) for v in losses])
+        assert grads[0].keys() == grads[1].keys()
+        for n in grads[0]:
+            torch.testing.assert_close(grads[1][n], grads[0][n], msg=lambda m, n=n, s=name: f"{s} rank {rank} {n}: {m}")
+    return out
+
+
+def test_torchtitan_pipeline_llm_runs_on_pipetrain() -> None:
+    reports = run_ranks(_worker, 2, SCHEDULES, timeout=240)
+    print({name: round(reports[0][name]["s"], 2) for name in SCHEDULES})
+    replaced = set(reports[0]["replaced"])
+    assert {"PipelineStage", "_PipelineSchedule", "get_schedule_class", "ScheduleDualPipeV"} <= replaced
+    for name in SCHEDULES:
+        assert all(r[name]["params"] > 0 for r in reports), name
+    # DualPipeV's OVERLAP_F_B pairs went through the custom function on both ranks
+    assert all(r["DualPipeV"]["overlaps"] > 0 for r in reports)
+    # torch's runtime (its step, one length) and pipetrain's (pre-split): the same losses and gradients
+    last = reports[1]["torch"]  # rank 1 holds the last stage of both loop schedules
+    for name in TORCH_ACCEPTS:
+        on_torch, on_pipetrain = last[name]
+        assert len(on_torch) == N_MB
+        torch.testing.assert_close(torch.tensor(on_pipetrain), torch.tensor(on_torch))
