@@ -11,8 +11,9 @@ from pipetrain.plan.actions import Action, ActionKind
 from pipetrain.plan.costs import Costs
 from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.generators import build_schedule, schedule_names
+from pipetrain.plan.measure import costs_from_timelines
 from pipetrain.plan.schedule import Schedule
-from pipetrain.plan.search import auto_schedule, rank_schedules
+from pipetrain.plan.search import Plan, auto_schedule, plan_schedule, rank_schedules
 from pipetrain.plan.simulate import SimResult, simulate
 from pipetrain.plan.timeline import Timeline, TimelineEvent
 
@@ -20,6 +21,7 @@ __all__ = [
     "Action",
     "ActionKind",
     "Costs",
+    "Plan",
     "Schedule",
     "ScheduleError",
     "SimResult",
@@ -27,6 +29,8 @@ __all__ = [
     "TimelineEvent",
     "auto_schedule",
     "build_schedule",
+    "costs_from_timelines",
+    "plan_schedule",
     "rank_schedules",
     "schedule_names",
     "simulate",
