@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck pytest bench clean venv
+.PHONY: demo test lint typecheck pytest bench clean venv gpu-check
 
 venv: $(STAMP)
 
@@ -34,6 +34,11 @@ test: lint typecheck pytest
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py --out benchmarks/RESULTS.md
+
+# On a machine with GPUs (and a CUDA build of torch in .venv): every schedule on CUDA, gradients,
+# no host synchronisation in steady state, step times; NCCL checks and runtime_vs_torch with 2+ GPUs.
+gpu-check: $(STAMP)
+	$(BIN)/python benchmarks/gpu_check.py
 
 clean:
 	rm -rf $(VENV) build dist .pytest_cache .mypy_cache .ruff_cache

@@ -6,7 +6,9 @@ machine noise hits both alike). Prints the median step time of each, the ratio
 pipetrain / torch (below 1 means pipetrain is faster) and the same ratio of CPU time per step
 (all threads of the process), which a busy machine disturbs less than wall-clock time.
 
-    python benchmarks/runtime_vs_torch.py [--steps 40] [--warmup 5]
+    python benchmarks/runtime_vs_torch.py [--steps 40] [--warmup 5] [--device cuda]
+
+``--device cuda``: NCCL, rank r on GPU r (two GPUs), each step timed to the GPUs' end.
 """
 
 from __future__ import annotations
@@ -52,11 +54,21 @@ def _bench(
     warmup: int,
     schedules: dict[str, int],
     models: dict[str, tuple[int, int, int, int]],
+    device_type: str = "cpu",
 ) -> None:
     torch.set_num_threads(1)
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    if device_type == "cuda":
+        torch.cuda.set_device(device)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=300)
+        "nccl" if device_type == "cuda" else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=300),
+        **({"device_id": device} if device_type == "cuda" else {}),
     )
+    sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
     import torch.distributed.pipelining as tpp
 
     import pipetrain
@@ -69,22 +81,21 @@ def _bench(
             placement = _placement(name, world, v)
             mine = sorted(s for s, r in placement.items() if r == rank)
             layers = _layers(width, per_stage, num_stages)
-            ours_layers = [copy.deepcopy(layers[s]) for s in mine]
-            torch_layers = [copy.deepcopy(layers[s]) for s in mine]
+            ours_layers = [copy.deepcopy(layers[s]).to(device) for s in mine]
+            torch_layers = [copy.deepcopy(layers[s]).to(device) for s in mine]
             ours_stages = [
-                pipetrain.PipelineStage(mod, s, num_stages, "cpu") for mod, s in zip(ours_layers, mine, strict=True)
+                pipetrain.PipelineStage(mod, s, num_stages, device) for mod, s in zip(ours_layers, mine, strict=True)
             ]
             torch_stages = [
-                tpp.PipelineStage(mod, s, num_stages, torch.device("cpu"))
-                for mod, s in zip(torch_layers, mine, strict=True)
+                tpp.PipelineStage(mod, s, num_stages, device) for mod, s in zip(torch_layers, mine, strict=True)
             ]
             ours_cls = pipetrain.get_schedule_class(name)
             torch_cls = tpp.schedules.get_schedule_class(name)
             ours = ours_cls(ours_stages if v > 1 else ours_stages[0], m, loss_fn=loss_fn)
             theirs = torch_cls(torch_stages if v > 1 else torch_stages[0], m, loss_fn=loss_fn)
             g = torch.Generator().manual_seed(1)
-            x = torch.randn(batch, width, generator=g)
-            y = torch.randn(batch, width, generator=g)
+            x = torch.randn(batch, width, generator=g).to(device)
+            y = torch.randn(batch, width, generator=g).to(device)
             first, last = 0 in mine, num_stages - 1 in mine
             args = (x,) if first else ()
             target = y if last else None
@@ -95,10 +106,12 @@ def _bench(
                 for label, sched, mods in pair if i % 2 == 0 else pair[::-1]:  # neither always goes first
                     for mod in mods:
                         mod.zero_grad(set_to_none=True)
+                    sync()
                     dist.barrier()
                     c0 = time.process_time()
                     t0 = time.perf_counter()
                     sched.step(*args, target=target)
+                    sync()
                     elapsed = time.perf_counter() - t0
                     if i >= warmup:
                         times[label].append(elapsed)
@@ -108,9 +121,10 @@ def _bench(
                 [statistics.median(times[k]) for k in ("torch", "pipetrain")]
                 + [statistics.median(cpu[k]) for k in ("torch", "pipetrain")],
                 dtype=torch.float64,
+                device=device,
             )
             dist.all_reduce(local, op=dist.ReduceOp.MAX)
-            rows.append((model_name, name, *(float(v) for v in local)))
+            rows.append((model_name, name, *(float(v) for v in local.cpu())))
     if rank == 0:
         results.put(rows)
     dist.barrier()
@@ -122,6 +136,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated subset")
     parser.add_argument("--models", default="small,large", help="small, large or both")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: NCCL on GPUs 0 and 1")
     opts = parser.parse_args()
     for key in list(SCHEDULES):
         if key not in opts.schedules.split(","):
@@ -129,8 +144,14 @@ def main() -> None:
     for key in list(MODELS):
         if key.split()[0] not in opts.models.split(","):
             del MODELS[key]
-    rows = run_on_two_ranks(_bench, 2, opts.steps, opts.warmup, SCHEDULES, MODELS)
-    print("median step time (wall clock) and CPU time per step, max over the 2 ranks; ratio = pipetrain / torch")
+    if opts.device == "cuda" and torch.cuda.device_count() < 2:
+        raise SystemExit("runtime_vs_torch.py --device cuda needs 2 GPUs")
+    rows = run_on_two_ranks(_bench, 2, opts.steps, opts.warmup, SCHEDULES, MODELS, opts.device)
+    where = "NCCL, 2 GPUs" if opts.device == "cuda" else "gloo, 2 CPU processes"
+    print(
+        f"median step time (wall clock) and CPU time per step, max over the 2 ranks ({where}); "
+        "ratio = pipetrain / torch"
+    )
     print(f"{'model':<24} {'schedule':<16} {'torch ms':>9} {'pipetrain ms':>13} {'ratio':>6} {'cpu ratio':>10}")
     for model_name, name, t_torch, t_ours, c_torch, c_ours in rows:
         print(
