@@ -71,6 +71,13 @@ _PipelineContext = PipelineContext
 """What a function registered with ``register_custom_function`` gets besides its action."""
 
 
+def _wait_batch_p2p(work: Any) -> None:
+    """torch's helper (torchtitan's custom functions import it): wait for each of a batch of
+    ``torch.distributed`` works. pipetrain's context hands over data already waited for."""
+    for w in work if isinstance(work, (list, tuple)) else [work]:
+        w.wait()
+
+
 class _NamedSchedule(PipelineScheduleRuntime):
     """A schedule chosen by name (``schedule_name``), built for this group's size and stages."""
 
