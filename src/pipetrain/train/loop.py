@@ -26,6 +26,7 @@ from pipetrain.errors import PipelineError
 from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.generators import build_schedule
 from pipetrain.plan.schedule import Schedule, is_schedule_file
+from pipetrain.train.auto import PROFILE_STEPS, is_auto, plan_from_profile, profiled_schedule, share_plan
 from pipetrain.train.data import TextData
 from pipetrain.train.launch import DistEnv, init_process_group
 from pipetrain.train.model import GPT, MODEL_SIZES, GPTConfig, lm_loss
@@ -60,6 +61,7 @@ class TrainConfig:
     timeout_s: float = 300.0
     checkpoint_dir: str | None = None  # save there and resume from the latest complete checkpoint in it
     checkpoint_every: int = 10  # steps between checkpoints (one is written after the last step too)
+    plan_time_limit: float = 5.0  # --schedule auto: seconds rank 0 spends planning after the profiled steps
 
     @property
     def model_config(self) -> GPTConfig:
@@ -90,6 +92,8 @@ class TrainResult:
 def plan_for(cfg: TrainConfig, world_size: int) -> Schedule:
     """The compute-only schedule this run follows: built by name, or read from a CSV/JSON file."""
     source = cfg.schedule
+    if is_auto(source):  # measured first, then replaced by the plan for what was measured
+        return profiled_schedule(world_size, cfg.microbatches, cfg.stages_per_rank)
     from_file = is_schedule_file(source)
     if from_file:
         schedule = Schedule.load(source)
@@ -144,7 +148,7 @@ def _train(env: DistEnv, cfg: TrainConfig, device: torch.device) -> TrainResult 
         print(
             f"model {cfg.model!r} grown to {mcfg.n_layers} blocks: one layer at least for each of {num_stages} stages"
         )
-    result = _result_so_far(resumed, start, cfg.steps) if reporting else None
+    result = _result_so_far(resumed, start, cfg) if reporting else None
     kill_at = _kill_step(env.rank)
     reporter = (
         StepReporter(cfg.steps, title=f"{schedule.name or 'schedule'} × {env.world_size} ranks") if reporting else None
@@ -152,6 +156,8 @@ def _train(env: DistEnv, cfg: TrainConfig, device: torch.device) -> TrainResult 
     tokens = cfg.batch_size * mcfg.seq_len
     measured = None
     origin = 0.0
+    auto = is_auto(cfg.schedule)
+    profile: list[Any] = []
     try:
         for step in range(start, cfg.steps):
             if step == kill_at:
@@ -159,8 +165,7 @@ def _train(env: DistEnv, cfg: TrainConfig, device: torch.device) -> TrainResult 
             x, y = data.batch(step, cfg.batch_size, mcfg.seq_len, seed=cfg.seed)
             args = (x.to(device),) if has_first else ()
             kwargs: dict[str, Any] = {"target": y.to(device), "losses": []} if reporting else {}
-            if step == cfg.steps - 1:
-                dist.barrier()  # line the ranks up so the recorded step starts together
+            profiling = _line_up(auto, profile, step, cfg.steps)
             t0 = time.perf_counter()
             origin = t0
             sched.step(*args, **kwargs)
@@ -175,8 +180,10 @@ def _train(env: DistEnv, cfg: TrainConfig, device: torch.device) -> TrainResult 
                     result.grad_norms.append(float(norm))
                 result.step_times.append(dt)
                 reporter.update(step, loss, tokens / dt)
+            if profiling:
+                schedule, sched = _profiled(_gather_timeline(sched, env, origin), profile, schedule, sched, stages, cfg)
             if ckpt is not None and ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps):
-                _save(ckpt, step + 1, stages, optimizer, result, schedule.stage_to_rank[last_stage])
+                _save(ckpt, step + 1, stages, optimizer, result, schedule.stage_to_rank[last_stage], cfg)
         measured = _gather_timeline(sched, env, origin)
         # Held-out loss: a forward-only pass of the same schedule (eval works on every schedule).
         xe, ye = data.batch(0, cfg.batch_size, mcfg.seq_len, seed=cfg.seed, split="eval")
@@ -232,9 +239,24 @@ def _resume(ckpt: Checkpointer | None, stages: list[Any], optimizer: Any) -> Res
     return ckpt.load(stages, optimizer) if ckpt is not None else Resumed()
 
 
-def _result_so_far(resumed: Resumed, start: int, steps: int) -> TrainResult:
+def _what_shapes_the_run(cfg: TrainConfig) -> dict[str, Any]:
+    """The settings that decide the batches and updates (not the layout, which may change on resume)."""
+    return {"seed": cfg.seed, "model": cfg.model, "batch_size": cfg.batch_size, "lr": cfg.lr}
+
+
+def _result_so_far(resumed: Resumed, start: int, cfg: TrainConfig) -> TrainResult:
     """The reporting rank's result, holding the losses of the steps a checkpoint already covers."""
     result = TrainResult()
+    steps = cfg.steps
+    saved = resumed.extra.get("run", {})
+    changed = {k: (saved[k], v) for k, v in _what_shapes_the_run(cfg).items() if k in saved and saved[k] != v}
+    if changed:
+        print(
+            "note: resuming a run made with "
+            + ", ".join(f"{k} {old} (now {new})" for k, (old, new) in changed.items())
+            + ": the steps from here differ from those of an uninterrupted run",
+            flush=True,
+        )
     if resumed.path is not None:
         result.losses = list(resumed.extra.get("losses", []))[:start]
         result.grad_norms = list(resumed.extra.get("grad_norms", []))[:start]
@@ -252,10 +274,20 @@ def _kill_step(rank: int) -> int | None:
 
 
 def _save(
-    ckpt: Checkpointer, step: int, stages: list[Any], optimizer: Any, result: TrainResult | None, src: int
+    ckpt: Checkpointer,
+    step: int,
+    stages: list[Any],
+    optimizer: Any,
+    result: TrainResult | None,
+    src: int,
+    cfg: TrainConfig,
 ) -> None:
     """Save after ``step`` steps; the losses so far (on the last stage's rank) go with it, through rank 0."""
-    box: list[Any] = [None if result is None else {"losses": result.losses, "grad_norms": result.grad_norms}]
+    box: list[Any] = [
+        None
+        if result is None
+        else {"losses": result.losses, "grad_norms": result.grad_norms, "run": _what_shapes_the_run(cfg)}
+    ]
     dist.broadcast_object_list(box, src=src)
     ckpt.save(step, stages, optimizer, extra=box[0])
 
@@ -274,8 +306,34 @@ def _report_outputs(out: Path, files: list[str]) -> None:
     print(f"wrote {len(files)} files to {out}{picture}", flush=True)
 
 
+def _line_up(auto: bool, profile: list[Any], step: int, steps: int) -> bool:
+    """Barrier before a recorded step (the last one, and those ``--schedule auto`` measures) so it
+    starts together on every rank; whether ``step`` is one that ``auto`` measures."""
+    measuring = auto and len(profile) < PROFILE_STEPS and step < steps - 1
+    if measuring or step == steps - 1:
+        dist.barrier()
+    return measuring
+
+
+def _profiled(
+    measured: Any, profile: list[Any], schedule: Schedule, sched: Any, stages: list[Any], cfg: TrainConfig
+) -> tuple[Schedule, Any]:
+    """``--schedule auto``: keep a profiled step's timeline; after the last one, plan on rank 0 and
+    return every rank's new schedule and runtime (else the ones running)."""
+    import pipetrain
+
+    if measured is not None:
+        profile.append(measured)
+    if len(profile) < PROFILE_STEPS:
+        return schedule, sched
+    planned = share_plan(plan_from_profile(schedule, profile, cfg.plan_time_limit) if dist.get_rank() == 0 else None)
+    if schedule.num_stages - 1 in [s.stage_index for s in stages]:
+        print(planned.summary)
+    return planned.schedule, pipetrain.PipelineScheduleRuntime(stages, planned.schedule, loss_fn=lm_loss)
+
+
 def _make_schedule(pipetrain: Any, cfg: TrainConfig, schedule: Schedule, stages: list[Any]) -> Any:
-    if is_schedule_file(cfg.schedule):
+    if is_schedule_file(cfg.schedule) or is_auto(cfg.schedule):
         return pipetrain.PipelineScheduleRuntime(stages, schedule, loss_fn=lm_loss)
     cls = pipetrain.get_schedule_class(cfg.schedule)
     single = isinstance(cls, type) and issubclass(cls, pipetrain.PipelineScheduleSingle)
