@@ -15,16 +15,30 @@ so shapes may change between steps and between microbatches:
 
 Matching. NCCL ignores tags: it pairs the operations between two ranks strictly in posting order.
 In *single-tag* mode (always for backends other than gloo; ``PIPETRAIN_SINGLE_TAG=1`` forces it on
-gloo for the tests) every operation uses tag 0 and a receive is never posted behind another
+gloo for the tests) every data operation uses tag 0 and a receive is never posted behind another
 receive from the same peer whose follow-ups may still be due: a batch is cut before a second
 receive from one peer, and right after each part is posted its headers are read and the
 follow-ups of new layouts posted, before anything else. Sends of a batch go first with its first
-part. The price: a message is waited for at its RECV rather than right before its use. On gloo by
-default the follow-ups use tag 1 instead, so headers are read lazily, right before the data is
-needed, in posting order per peer (gloo matches per tag, first in, first out).
+part. On gloo by default the follow-ups use tag 1 instead, so headers are read lazily, right
+before the data is needed, in posting order per peer (gloo matches per tag, first in, first out).
+
+The control plane (single-tag mode; ``PIPETRAIN_CONTROL_PLANE=0`` turns it off). Reading a header
+out of received GPU data is a device-to-host copy: it blocks the host until the message landed
+and every kernel queued before it ran, so the host could never queue work ahead of the GPU. So
+each message's header (flag, layout size, payload size) and a new layout's bytes travel on a CPU
+channel instead, posted when the SEND is posted: the group itself when it has a CPU backend
+(``cpu:gloo,cuda:nccl``), else a gloo group over the same ranks built on the group's store. The
+receiver waits only for that header (which the sender's host posted as soon as it had queued the
+producing kernels), never for the data: the data's operation is waited for on the consuming
+stream (``stream_waits``), and sent buffers are held until the step's sends were waited for on
+the stream. The data plane keeps its operations and order (a first message of the remembered
+size, then the new payload when the layout changed), so matching is as without the control plane.
+Every host read of a data-plane tensor goes through :func:`~pipetrain.runtime.transport.host.host_read`
+(counted); with the control plane there is none.
 
 Reading the headers right after posting cannot deadlock, for schedules made by ``Schedule.lower()``:
-the proof is in docs/semantics.md ("Reading headers right after posting").
+the proof is in docs/semantics.md ("Reading headers right after posting"); on the control plane a
+header is posted no later than its data, so the same proof holds.
 
 ``DistTransport`` uses ``torch.distributed`` point-to-point operations (on a gloo group posted
 directly, elsewhere as ``batch_isend_irecv`` batches of buffers on the stage's device); sends
