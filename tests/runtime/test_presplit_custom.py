@@ -228,3 +228,17 @@ def test_custom_overlap_f_b_on_dualpipev_matches_plain_training() -> None:
     for got, want in zip(_grads(modules), ref_grads, strict=True):
         torch.testing.assert_close(got, want)
     assert not any(st.has_state() for st in pipe.stages)
+
+
+def test_register_custom_function_before_a_csv_schedule_is_loaded() -> None:
+    """torch's CSV route: _PipelineScheduleRuntime(stages, n, loss_fn), functions registered,
+    then _load_csv; the registration is kept for the runtime the load builds."""
+    from pipetrain import PipelineStage
+    from pipetrain.schedules import _PipelineScheduleRuntime
+
+    sched = _PipelineScheduleRuntime([PipelineStage(nn.Linear(2, 2), 0, 2, "cpu")], 4, loss_fn=_loss)
+    fn = _overlapped_f_b([])
+    sched.register_custom_function(OVERLAP_F_B, fn)
+    with pytest.raises(ValueError, match="not one of"):
+        sched.register_custom_function("RECV_F", fn)
+    assert sched.__dict__["_custom"] == {ActionKind.OVERLAP_F_B: fn}

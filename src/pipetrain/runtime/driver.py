@@ -94,7 +94,8 @@ class StepDriver:
         self._eval_prepared: Prepared | None = None
         self._step_count = 0
         self._lower_options: dict[str, Any] = {}
-        self._custom: dict[ActionKind, CustomFunction] = {}
+        # Kept across a re-setup: torch's CSV route registers functions before _load_csv builds the runtime.
+        self._custom: dict[ActionKind, CustomFunction] = self.__dict__.get("_custom", {})
 
     # ------------------------------------------------------------ to implement
     @property
@@ -159,7 +160,7 @@ class StepDriver:
         assert kind is not None
         if not callable(custom_function):
             raise TypeError(f"register_custom_function: {custom_function!r} is not callable")
-        self._custom[kind] = custom_function
+        self.__dict__.setdefault("_custom", {})[kind] = custom_function
 
     def step(
         self,
