@@ -43,8 +43,10 @@ def register(subparsers: Any) -> None:
     train.add_argument(
         "--schedule",
         default=_DEFAULTS["schedule"],
-        metavar="NAME|FILE.csv",
-        help="schedule name or a CSV/JSON schedule file (default %(default)s)",
+        metavar="NAME|FILE.csv|auto",
+        help="schedule name, a CSV/JSON schedule file, or auto: measure 3 steps of ZBVZeroBubble (or ZBH1 with "
+        "--stages-per-rank 1), plan for the measured costs within its memory, and train on with the plan "
+        "(default %(default)s)",
     )
     train.add_argument(
         "--microbatches",
