@@ -51,3 +51,23 @@ def test_train_schedule_auto_trains_with_the_plan(tmp_path: Path) -> None:
     assert "auto: measured 3 steps of ZBVZeroBubble; planned" in run.stdout
     assert "final loss" in run.stdout
     assert (tmp_path / "out" / "costs.txt").exists()
+
+
+@pytest.mark.slow
+def test_profile_writes_costs_that_plan_reads(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    costs = tmp_path / "measured.txt"
+    run = subprocess.run(
+        [sys.executable, "-m", "pipetrain", "profile", "--model", "tiny", "--microbatches", "4", "--batch-size", "8",
+         "--costs-out", str(costs), "--out", str(tmp_path / "out")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert f"measured 3 steps of ZBVZeroBubble: wrote {costs}" in run.stdout
+    measured = Costs.parse(costs.read_text())
+    assert isinstance(measured.f, tuple) and len(measured.f) == 4 and min(measured.f) > 0
+    assert measured.comm >= 0
+    from pipetrain.cli import main
+
+    assert main(["plan", "-p", "2", "-m", "4", "--from-profile", str(costs), "--time-limit", "1"]) == 0

@@ -31,6 +31,26 @@ def register(subparsers: Any) -> None:
             "--device cuda); under torchrun it uses torchrun's processes, so it runs across nodes."
         ),
     )
+    _add_run_arguments(train)
+    train.set_defaults(func=_train, costs_out=None)
+    profile = subparsers.add_parser(
+        "profile",
+        help="measure per-stage F, I, W, B and the message latency; write them as a costs file",
+        description=(
+            "Run a few training steps of the small GPT (as `pipetrain train` does, same options), measure every "
+            "stage's F, I, W and B and the latency of messages between ranks (medians over the measured steps), "
+            "and write them in --costs form, for `pipetrain plan --from-profile FILE`."
+        ),
+    )
+    _add_run_arguments(profile, steps=4)
+    profile.add_argument(
+        "--costs-out", metavar="FILE", default="costs.txt", help="the costs file to write (default %(default)s)"
+    )
+    profile.set_defaults(func=_train)
+
+
+def _add_run_arguments(train: Any, steps: int = _DEFAULTS["steps"]) -> None:
+    """The options `train` and `profile` share (profile runs the same job, fewer steps)."""
     train.add_argument(
         "--ranks",
         type=int,
@@ -54,7 +74,7 @@ def register(subparsers: Any) -> None:
         default=None,
         help=f"microbatches per step (default {_DEFAULTS['microbatches']}; a schedule file sets its own)",
     )
-    train.add_argument("--steps", type=int, default=_DEFAULTS["steps"], help="optimizer steps (default %(default)s)")
+    train.add_argument("--steps", type=int, default=steps, help="optimizer steps (default %(default)s)")
     train.add_argument(
         "--batch-size", type=int, default=_DEFAULTS["batch_size"], help="sequences per step (default %(default)s)"
     )
@@ -97,7 +117,6 @@ def register(subparsers: Any) -> None:
         metavar="N",
         help="steps between checkpoints (default 10; one is written after the last step too); needs --checkpoint-dir",
     )
-    train.set_defaults(func=_train)
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -167,7 +186,10 @@ def _train(args: argparse.Namespace) -> int:
         clip_grad_norm=args.clip_grad_norm,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every or 10,
+        costs_out=args.costs_out,
     )
+    if args.costs_out is not None and args.steps < 2:
+        raise PipelineError("profile needs --steps 2 at least (the last step is not among the measured ones)")
     if args.clip_grad_norm is not None and not args.clip_grad_norm > 0:
         raise PipelineError(f"--clip-grad-norm must be > 0, got {args.clip_grad_norm}")
     if args.batch_size < microbatches:

@@ -16,7 +16,15 @@ import torch.distributed as dist
 from pipetrain.plan import Schedule, build_schedule, costs_from_timelines, plan_schedule, simulate
 from pipetrain.plan.timeline import Timeline
 
-__all__ = ["PROFILE_STEPS", "AutoPlan", "is_auto", "plan_from_profile", "profiled_schedule", "share_plan"]
+__all__ = [
+    "PROFILE_STEPS",
+    "AutoPlan",
+    "is_auto",
+    "plan_from_profile",
+    "profiled_schedule",
+    "share_plan",
+    "write_profile",
+]
 
 PROFILE_STEPS = 3
 """Steps measured before planning (they train like every other step)."""
@@ -69,6 +77,19 @@ def plan_from_profile(profiled: Schedule, timelines: list[Timeline], time_limit:
         f"({speedup:.3f}x), at most {found.memory:g} of {limit:g} stage activations per rank"
     )
     return AutoPlan(found.schedule, summary, str(costs))
+
+
+def write_profile(path: str, schedule: Schedule, timelines: list[Timeline]) -> None:
+    """Rank 0 writes the measured costs (``--costs`` form, one value per stage) to ``path``."""
+    if dist.get_rank() != 0:
+        return
+    costs = costs_from_timelines(timelines, schedule.num_stages)
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(f"{costs}\n")
+    print(
+        f"measured {len(timelines)} steps of {schedule.name or 'the schedule'}: wrote {path} "
+        f"(pipetrain plan -p {schedule.num_ranks} -m {schedule.num_microbatches} --from-profile {path})"
+    )
 
 
 def share_plan(plan: AutoPlan | None, group: Any = None) -> AutoPlan:

@@ -26,7 +26,14 @@ from pipetrain.errors import PipelineError
 from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.generators import build_schedule
 from pipetrain.plan.schedule import Schedule, is_schedule_file
-from pipetrain.train.auto import PROFILE_STEPS, is_auto, plan_from_profile, profiled_schedule, share_plan
+from pipetrain.train.auto import (
+    PROFILE_STEPS,
+    is_auto,
+    plan_from_profile,
+    profiled_schedule,
+    share_plan,
+    write_profile,
+)
 from pipetrain.train.data import TextData
 from pipetrain.train.launch import DistEnv, init_process_group
 from pipetrain.train.model import GPT, MODEL_SIZES, GPTConfig, lm_loss
@@ -61,6 +68,7 @@ class TrainConfig:
     timeout_s: float = 300.0
     checkpoint_dir: str | None = None  # save there and resume from the latest complete checkpoint in it
     checkpoint_every: int = 10  # steps between checkpoints (one is written after the last step too)
+    costs_out: str | None = None  # `pipetrain profile`: write the measured steps' costs there
     plan_time_limit: float = 5.0  # --schedule auto: seconds rank 0 spends planning after the profiled steps
 
     @property
@@ -156,7 +164,7 @@ def _train(env: DistEnv, cfg: TrainConfig, device: torch.device) -> TrainResult 
     tokens = cfg.batch_size * mcfg.seq_len
     measured = None
     origin = 0.0
-    auto = is_auto(cfg.schedule)
+    measures = _measures(cfg)
     profile: list[Any] = []
     try:
         for step in range(start, cfg.steps):
@@ -165,7 +173,7 @@ def _train(env: DistEnv, cfg: TrainConfig, device: torch.device) -> TrainResult 
             x, y = data.batch(step, cfg.batch_size, mcfg.seq_len, seed=cfg.seed)
             args = (x.to(device),) if has_first else ()
             kwargs: dict[str, Any] = {"target": y.to(device), "losses": []} if reporting else {}
-            profiling = _line_up(auto, profile, step, cfg.steps)
+            profiling = _line_up(measures, profile, step, cfg.steps)
             t0 = time.perf_counter()
             origin = t0
             sched.step(*args, **kwargs)
@@ -306,6 +314,11 @@ def _report_outputs(out: Path, files: list[str]) -> None:
     print(f"wrote {len(files)} files to {out}{picture}", flush=True)
 
 
+def _measures(cfg: TrainConfig) -> bool:
+    """Whether this run measures its first steps (``--schedule auto`` and ``pipetrain profile`` do)."""
+    return is_auto(cfg.schedule) or cfg.costs_out is not None
+
+
 def _line_up(auto: bool, profile: list[Any], step: int, steps: int) -> bool:
     """Barrier before a recorded step (the last one, and those ``--schedule auto`` measures) so it
     starts together on every rank; whether ``step`` is one that ``auto`` measures."""
@@ -324,7 +337,11 @@ def _profiled(
 
     if measured is not None:
         profile.append(measured)
-    if len(profile) < PROFILE_STEPS:
+    if len(profile) < min(PROFILE_STEPS, cfg.steps - 1):
+        return schedule, sched
+    if cfg.costs_out is not None:
+        write_profile(cfg.costs_out, schedule, profile)
+    if not is_auto(cfg.schedule):
         return schedule, sched
     planned = share_plan(plan_from_profile(schedule, profile, cfg.plan_time_limit) if dist.get_rank() == 0 else None)
     if schedule.num_stages - 1 in [s.stage_index for s in stages]:
