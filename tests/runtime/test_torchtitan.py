@@ -34,8 +34,9 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason="torchtitan: dev extra, Python >= 3.11"),
 ]
 
-SCHEDULES = ["1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
-TORCH_ACCEPTS = SCHEDULES  # also run on torch's runtime (whole batch, one length)
+NAMED = ["1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
+SCHEDULES = [*NAMED, "InterleavedZeroBubble.csv"]  # and torchtitan's route for a schedule in a CSV file
+TORCH_ACCEPTS = NAMED  # also run on torch's runtime (whole batch, one length)
 N_MB = 4
 VOCAB = 64
 _PIPETRAIN = {
@@ -139,6 +140,12 @@ def _build(name: str, world: int, model: Any, config: Any, loss_fn: Any, paralle
     from torchtitan.distributed.pipeline_parallel import pipeline_llm
 
     with tempfile.TemporaryDirectory() as dump:
+        csv = ""
+        if name.endswith(".csv"):  # torchtitan's CSV route: _PipelineScheduleRuntime, then _load_csv
+            from pipetrain.plan import build_schedule
+
+            name, csv = name.removesuffix(".csv"), f"{dump}/schedule.csv"
+            build_schedule(name, world, N_MB, 2).to_csv(csv)
         return pipeline_llm(
             model,
             parallel_dims=parallel_dims,
@@ -146,6 +153,7 @@ def _build(name: str, world: int, model: Any, config: Any, loss_fn: Any, paralle
             parallelism=ParallelismConfig(
                 pipeline_parallel_degree=world,
                 pipeline_parallel_schedule=name,
+                pipeline_parallel_schedule_csv=csv,
                 pipeline_parallel_microbatch_size=1,
             ),
             compile_config=CompileConfig(),
@@ -260,7 +268,7 @@ def _against_torch(rank: int, world: int, schedules: list[str], config: Any, los
             for bound, value in original.items():
                 setattr(titan_pp, bound, value)
             grads.append({n: p.grad for part in parts for n, p in part.named_parameters()})
-            out.setdefault(name, []).append([float(v) for v in losses])
+            out.setdefault(name, []).append([float(v.detach()) for v in losses])
         assert grads[0].keys() == grads[1].keys()
         for n in grads[0]:
             torch.testing.assert_close(grads[1][n], grads[0][n], msg=lambda m, n=n, s=name: f"{s} rank {rank} {n}: {m}")
