@@ -21,7 +21,7 @@ import time
 from _torch_reference import to_pipetrain, torch_schedule_object
 from pipetrain.plan import Costs, simulate
 from pipetrain.plan.autoplan import exact
-from pipetrain.plan.search import _problem, plan_schedule
+from pipetrain.plan.search import layout_problem, plan_schedule
 
 TORCH_NAMES = {
     1: ("GPipe", "1F1B"),
@@ -101,7 +101,7 @@ def run_suite(args: argparse.Namespace) -> None:
                             vs_torch.append(r_torch)
                         opt = ratio = ""
                         if args.exact and p == 4 and m in (4, 8):
-                            problem = _problem(
+                            problem = layout_problem(
                                 p,
                                 m,
                                 costs,

@@ -15,7 +15,7 @@ from pipetrain.plan import Costs, ScheduleError, auto_schedule, build_schedule, 
 from pipetrain.plan.autoplan import Policy, construct, exact, merge_backward
 from pipetrain.plan.autoplan.greedy import list_schedule
 from pipetrain.plan.autoplan.problem import Problem
-from pipetrain.plan.search import _problem, plan_schedule
+from pipetrain.plan.search import layout_problem, plan_schedule
 
 
 def _costs(n: int, data: st.DataObject, comm: float) -> Costs:
@@ -53,8 +53,8 @@ def test_list_scheduling_is_complete_safe_and_timed_like_simulate(
     if place == "v" and v != 2:
         place = "loop"
     costs = _costs(p * v, data, comm)
-    least = _problem(p, m, costs, None, v, place, True).least_memory()
-    problem = _problem(p, m, costs, least + extra, v, place, True)
+    least = layout_problem(p, m, costs, None, v, place, True).least_memory()
+    problem = layout_problem(p, m, costs, least + extra, v, place, True)
     orders = list_schedule(problem, policy, random.Random(0))
     assert orders is not None
     assert problem.complete(orders) and problem.fits(orders)
@@ -141,7 +141,7 @@ def test_bad_arguments_are_named() -> None:
 def test_small_problems_reach_the_exact_optimum() -> None:
     """Where CP-SAT proves an optimum quickly, the planner reaches it (2 ranks, 4 microbatches)."""
     costs = Costs(f=[1.0, 1.6], i=[1.0, 1.6], w=[1.0, 1.6], comm=0.1, activation_bytes=[1.0, 1.0])
-    problem = _problem(2, 4, costs, 2.0, 1, "loop", True)
+    problem = layout_problem(2, 4, costs, 2.0, 1, "loop", True)
     solved = exact.solve(problem, time_limit=20.0)
     assert solved.optimal
     plan = plan_schedule(2, 4, costs, 2.0, time_limit=2.0)

@@ -28,7 +28,7 @@ from pipetrain.plan.generators._common import v_placement
 from pipetrain.plan.schedule import Schedule
 from pipetrain.plan.simulate import SimResult, simulate
 
-__all__ = ["Candidate", "Plan", "auto_schedule", "plan_schedule", "rank_schedules"]
+__all__ = ["Candidate", "Plan", "auto_schedule", "layout_problem", "plan_schedule", "rank_schedules"]
 
 _MAX_STAGES_PER_RANK = 4
 _LIKELY_BEST = ("ZBVZeroBubble", "InterleavedZeroBubble", "DualPipeV", "ZBH2", "ZBH1", "Interleaved1F1B", "1F1B")
@@ -205,7 +205,7 @@ def plan_schedule(
     problems: list[Problem] = []
     least: tuple[float, str] | None = None
     for v, place in layouts:
-        problem = _problem(num_ranks, num_microbatches, costs, memory_limit, v, place, fixed is not None)
+        problem = layout_problem(num_ranks, num_microbatches, costs, memory_limit, v, place, fixed is not None)
         need = problem.least_memory()
         if least is None or need < least[0]:
             least = (need, f"{v} stage(s) per rank, {place} placement")
@@ -256,7 +256,7 @@ def _same_layout(problem: Problem, schedule: Schedule) -> bool:
     )
 
 
-def _problem(
+def layout_problem(
     num_ranks: int,
     num_microbatches: int,
     costs: Costs,
@@ -265,6 +265,9 @@ def _problem(
     place: str,
     per_stage: bool,
 ) -> Problem:
+    """The planning problem for one layout: ``v`` stages per rank placed in a loop or a V, costs cut
+    into stages unless ``per_stage`` (measured per stage), activations weighted in the units of
+    ``memory_limit`` (bytes with ``activation_bytes``, else a rank's share)."""
     rank_of = (
         [v_placement(num_ranks)[s] for s in range(2 * num_ranks)]
         if place == "v"
