@@ -1,7 +1,8 @@
 """torchtitan 0.3.0 on pipetrain with only its imports changed.
 
 torchtitan's own ``pipeline_llm`` (its installed package, not a copy) splits a tiny Llama 3 into
-stages and builds the schedule, with the names its module imported from
+stages (wrapped by its own ``parallelize_llama``: FSDP2 at a data-parallel degree of 1) and builds
+the schedule, with the names its module imported from
 ``torch.distributed.pipelining`` (and ``.schedules``) pointed at pipetrain's. The step is then
 called as torchtitan's trainer and validator call it: the pre-split ``step(arg_mbs=, kwarg_mbs=,
 target_mbs=, losses=, loss_kwargs=, return_outputs=False)`` and ``eval(...)``, on packed
@@ -108,6 +109,16 @@ def _plain(model: torch.nn.Module, loss_fn: Any, batch: Any, gvt: torch.Tensor) 
     return losses, {n: p.grad for n, p in ref.named_parameters()}
 
 
+def _grads(parts: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
+    """Each parameter's gradient by its name in the whole model (FSDP2's DTensors made whole)."""
+    out = {}
+    for part in parts:
+        for n, p in part.named_parameters():
+            assert p.grad is not None, n
+            out[n] = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+    return out
+
+
 def _overlap_in_thread(calls: list[str]) -> Any:
     """A custom OVERLAP_F_B: the forward runs in a second thread while the backward runs."""
     from pipetrain.schedules import FULL_BACKWARD
@@ -138,6 +149,7 @@ def _overlap_in_thread(calls: list[str]) -> Any:
 def _build(name: str, world: int, model: Any, config: Any, loss_fn: Any, parallel_dims: Any) -> Any:
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed.pipeline_parallel import pipeline_llm
+    from torchtitan.models.llama3 import parallelize_llama
 
     with tempfile.TemporaryDirectory() as dump:
         csv = ""
@@ -149,7 +161,9 @@ def _build(name: str, world: int, model: Any, config: Any, loss_fn: Any, paralle
         return pipeline_llm(
             model,
             parallel_dims=parallel_dims,
-            training=TrainingConfig(local_batch_size=N_MB, mixed_precision_param="float32"),
+            training=TrainingConfig(
+                local_batch_size=N_MB, mixed_precision_param="float32", mixed_precision_reduce="float32"
+            ),
             parallelism=ParallelismConfig(
                 pipeline_parallel_degree=world,
                 pipeline_parallel_schedule=name,
@@ -161,7 +175,7 @@ def _build(name: str, world: int, model: Any, config: Any, loss_fn: Any, paralle
             dump_folder=dump,
             device=torch.device("cpu"),
             model_config=config,
-            parallelize_fn=lambda m, **_: m,  # no TP/FSDP/AC/compile on this CPU test
+            parallelize_fn=parallelize_llama,  # the model spec's: FSDP2 on a data-parallel degree of 1
             loss_fn=loss_fn,
         )
 
@@ -207,7 +221,7 @@ def _worker(rank: int, world: int, schedules: list[str]) -> dict[str, Any]:
             loss_kwargs={"global_valid_tokens": gvt},
             return_outputs=False,
         )
-        got = {n: p.grad for part in parts for n, p in part.named_parameters()}
+        got = _grads(parts)
         assert got, f"{name}: rank {rank} holds no parameters"
         for n, g in got.items():
             torch.testing.assert_close(g, ref_grads[n], msg=lambda m, n=n, s=name: f"{s} rank {rank} {n}: {m}")
@@ -225,7 +239,8 @@ def _worker(rank: int, world: int, schedules: list[str]) -> dict[str, Any]:
             torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses))
             plain_sums = [loss * gvt for loss in ref_losses]  # eval has no global_valid_tokens
             torch.testing.assert_close(torch.stack(eval_losses), torch.stack(plain_sums))
-        report[name] = {"params": len(got), "overlaps": len(calls), "s": time.perf_counter() - t0}
+        fsdp = all(type(part).__name__.startswith("FSDP") for part in parts)
+        report[name] = {"params": len(got), "overlaps": len(calls), "fsdp": fsdp, "s": time.perf_counter() - t0}
     return report
 
 
@@ -267,7 +282,7 @@ def _against_torch(rank: int, world: int, schedules: list[str], config: Any, los
                 )
             for bound, value in original.items():
                 setattr(titan_pp, bound, value)
-            grads.append({n: p.grad for part in parts for n, p in part.named_parameters()})
+            grads.append(_grads(parts))
             out.setdefault(name, []).append([float(v.detach()) for v in losses])
         assert grads[0].keys() == grads[1].keys()
         for n in grads[0]:
@@ -281,7 +296,7 @@ def test_torchtitan_pipeline_llm_runs_on_pipetrain() -> None:
     replaced = set(reports[0]["replaced"])
     assert {"PipelineStage", "_PipelineSchedule", "get_schedule_class", "ScheduleDualPipeV"} <= replaced
     for name in SCHEDULES:
-        assert all(r[name]["params"] > 0 for r in reports), name
+        assert all(r[name]["params"] > 0 and r[name]["fsdp"] for r in reports), name
     # DualPipeV's OVERLAP_F_B pairs went through the custom function on both ranks
     assert all(r["DualPipeV"]["overlaps"] > 0 for r in reports)
     # torch's runtime (its step, one length) and pipetrain's (pre-split): the same losses and gradients
