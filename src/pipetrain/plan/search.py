@@ -180,7 +180,9 @@ def plan_schedule(
         raise ScheduleError(f"time_limit must be a number of seconds > 0, got {time_limit!r}")
     if placement is not None and placement not in ("loop", "v"):
         raise ScheduleError(f"placement must be 'loop' or 'v', got {placement!r}")
-    deadline = started + time_limit
+    # Keep back what writing the result out costs (to_schedule is linear in the actions).
+    largest = 3 * num_ranks * max(stages_per_rank or 2, _fixed_stages(costs, num_ranks) or 1) * num_microbatches
+    deadline = started + time_limit - min(0.2 * time_limit, SECONDS_PER_ACTION * largest)
     ranked = rank_schedules(
         num_ranks,
         num_microbatches,
@@ -226,7 +228,8 @@ def plan_schedule(
         if best_named is not None and share < 2 * SECONDS_PER_ACTION * 3 * problem.num_stages * num_microbatches:
             continue  # not even one list-scheduling run would end in time: the named schedules stand
         seeds = [problem.orders_of(c.schedule) for c in named if _same_layout(problem, c.schedule)]
-        result = construct(problem, seeds, time.perf_counter() + share, rng)
+        # construct may end a little past its deadline (one evaluation, the last list-scheduling run).
+        result = construct(problem, seeds, time.perf_counter() + 0.92 * share, rng)
         if result is not None:
             found.append((result[1], problem, result[0]))
     if found:

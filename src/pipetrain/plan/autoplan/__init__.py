@@ -22,7 +22,7 @@ __all__ = ["SECONDS_PER_ACTION", "Orders", "Policy", "Problem", "construct", "me
 _GREEDY_SHARE = 0.35  # of the time: list scheduling under the rule grid and random restarts
 _EXACT_SHARE = 0.5  # of what is left, for CP-SAT when ortools is installed and the problem is small
 _EXACT_MAX_ACTIONS = 600
-SECONDS_PER_ACTION = 2e-5
+SECONDS_PER_ACTION = 4e-5
 
 
 def _policies(problem: Problem) -> Iterator[Policy]:
@@ -91,7 +91,7 @@ def construct(
     actions = 3 * problem.num_stages * problem.num_microbatches
     for count, policy in enumerate(_policies(problem)):
         now = time.perf_counter()
-        # One run costs ~20 us an action; skip a run that cannot end in time unless nothing fits yet.
+        # One run costs ~20-40 us an action; skip a run that cannot end in time unless nothing fits yet.
         if (count or pool) and (now >= greedy_until or now + SECONDS_PER_ACTION * actions > deadline):
             break
         built = list_schedule(problem, policy, rng)

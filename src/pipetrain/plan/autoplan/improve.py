@@ -79,9 +79,7 @@ def _anneal(
     ranks = [r for r, o in enumerate(current) if len(o) > 1]
     if not ranks:
         return best, best_score
-    now = begin
-    moves = 0
-    while now < deadline:
+    while (now := time.perf_counter()) < deadline:  # checked before any move, feasible or not
         r = rng.choice(ranks)
         program = current[r]
         k = rng.randrange(len(program))
@@ -102,9 +100,6 @@ def _anneal(
                 best, best_score = [list(o) for o in current], new
         else:
             current[r] = program
-        moves += 1
-        if moves % 16 == 0:
-            now = time.perf_counter()
     return best, best_score
 
 
