@@ -180,8 +180,9 @@ def plan_schedule(
         raise ScheduleError(f"time_limit must be a number of seconds > 0, got {time_limit!r}")
     if placement is not None and placement not in ("loop", "v"):
         raise ScheduleError(f"placement must be 'loop' or 'v', got {placement!r}")
+    fixed = _fixed_stages(costs, num_ranks)
     # Keep back what writing the result out costs (to_schedule is linear in the actions).
-    largest = 3 * num_ranks * max(stages_per_rank or 2, _fixed_stages(costs, num_ranks) or 1) * num_microbatches
+    largest = 3 * num_ranks * (fixed or stages_per_rank or 2) * num_microbatches
     deadline = started + time_limit - min(0.2 * time_limit, SECONDS_PER_ACTION * largest)
     ranked = rank_schedules(
         num_ranks,
@@ -192,7 +193,6 @@ def plan_schedule(
         stages_per_rank=stages_per_rank,
         deadline=started + _NAMED_SHARE * time_limit,
     )
-    fixed = _fixed_stages(costs, num_ranks)
     choices = [fixed or stages_per_rank] if (fixed or stages_per_rank) else [1, 2]
     layouts: list[tuple[int, str]] = []
     for v in choices:
