@@ -156,10 +156,18 @@ class _Joint:
         return True
 
 
+_CTRL_FIXED: dict[int, torch.Tensor] = {}
+
+
 def _ctrl_header(flag: int, layout_bytes: int, payload_bytes: int) -> torch.Tensor:
-    header = torch.zeros(_HEADER, dtype=torch.int64)
-    header[0], header[1], header[2] = flag, layout_bytes, payload_bytes
-    return header
+    """A control-plane header. Steady (and failure) headers are one shared tensor each: a send
+    only reads its buffer, and building one costs more than the rest of a steady message."""
+    if layout_bytes == 0 and payload_bytes == 0:
+        fixed = _CTRL_FIXED.get(flag)
+        if fixed is None:
+            fixed = _CTRL_FIXED[flag] = torch.tensor([flag] + [0] * (_HEADER - 1), dtype=torch.int64)
+        return fixed
+    return torch.tensor([flag, layout_bytes, payload_bytes] + [0] * (_HEADER - 3), dtype=torch.int64)
 
 
 def _word(t: torch.Tensor, i: int) -> int:
