@@ -39,7 +39,8 @@ class FailureChannel:
     """A side channel (a ``torch.distributed`` Store) where the first failing rank leaves its story.
 
     Ranks waiting for data poll it, so a failure anywhere turns into an error everywhere instead
-    of a hang. Keys are namespaced per process group, so a fresh group starts clean.
+    of a hang. Keys are namespaced per process group, restart attempt and round (``generation``),
+    so a fresh group, a restarted job and a schedule after a refused one all start clean.
     """
 
     def __init__(self, store: Any, namespace: str, rank: int, generation: int | None = None) -> None:
