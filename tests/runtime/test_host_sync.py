@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from support.dist import run_ranks
 from support.models import assert_grads_equal, make_batch, make_layers, reference, stages_per_rank
@@ -20,8 +21,6 @@ pytestmark = pytest.mark.slow
 
 def _steps(rank: int, world: int, cases: list[tuple[str, bool]]) -> dict[tuple[str, bool], list[int]]:
     import os
-
-    from torch import nn
 
     from pipetrain import PipelineStage, get_schedule_class
     from pipetrain.plan import build_schedule
@@ -67,10 +66,60 @@ def test_no_host_read_after_the_first_step_on_every_schedule(monkeypatch: pytest
     monkeypatch.setenv("PIPETRAIN_SINGLE_TAG", "1")
     names = schedule_names()
     cases = [(name, True) for name in names] + [("1F1B", False)]
-    for rank_reads in run_ranks(_steps, 2, cases):
+    for rank, (rank_reads, (msg, elapsed)) in enumerate(run_ranks(_steps_then_a_failure, 2, cases)):
+        # Last, a failure: the peers wait for headers on the control plane, where its notices wake them.
+        assert elapsed < 30, (rank, elapsed, msg)
+        assert "rank 1, step 1, action 1F2: ValueError: bug in the module" in msg, (rank, msg)
         assert set(rank_reads) == set(cases)
         for (name, control), counts in rank_reads.items():
             if control:
                 assert counts[1:] == [0] * (len(counts) - 1), (name, counts)
             else:  # 2 ranks x 1F1B, 4 microbatches: each rank receives 4 messages per step
                 assert all(c >= 4 for c in counts), counts
+
+
+class _Explodes(nn.Module):
+    """Raises on forward call number ``fail_on`` (from 0)."""
+
+    def __init__(self, fail_on: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.calls = 0
+        self.fail_on = fail_on
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls - 1 == self.fail_on:
+            raise ValueError("bug in the module")
+        return self.lin(x)
+
+
+def _fails(rank: int, world: int) -> tuple[str, float]:
+    import time
+
+    from pipetrain import PipelineStage, Schedule1F1B
+    from pipetrain.errors import PipelineError
+
+    torch.manual_seed(0)
+    stage = PipelineStage(_Explodes(6 if rank == 1 else -1), rank, world, "cpu")
+    sched = Schedule1F1B(stage, 4, loss_fn=nn.functional.mse_loss, timeout=60)
+    assert sched._transport.control
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    args, target = ((x,) if rank == 0 else ()), (y if rank == world - 1 else None)
+    sched.step(*args, target=target)
+    t0 = time.monotonic()
+    try:
+        sched.step(*args, target=target)  # rank 1 raises in its F of microbatch 2
+    except PipelineError as err:
+        return str(err), time.monotonic() - t0
+    raise AssertionError("no PipelineError was raised")
+
+
+def _steps_then_a_failure(
+    rank: int, world: int, cases: list[tuple[str, bool]]
+) -> tuple[dict[tuple[str, bool], list[int]], tuple[str, float]]:
+    reads = _steps(rank, world, cases)
+    import os
+
+    os.environ["PIPETRAIN_CONTROL_PLANE"] = "1"
+    return reads, _fails(rank, world)
