@@ -68,7 +68,7 @@ def _batch(seq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _plain_grads(layers: list[nn.Module], x: torch.Tensor, y: torch.Tensor) -> list[list[torch.Tensor]]:
     """Plain training's gradients: the mean of the microbatch losses, one backward."""
-    model = nn.Sequential(*copy.deepcopy(layers))
+    model = nn.Sequential(*copy.deepcopy(layers)).to(x.device)
     losses = [
         nn.functional.mse_loss(model(xi), yi)
         for xi, yi in zip(x.tensor_split(MICROBATCHES), y.tensor_split(MICROBATCHES), strict=True)
