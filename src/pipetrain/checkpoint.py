@@ -371,17 +371,25 @@ def _optimizer_state(modules: list[nn.Module], optimizer: torch.optim.Optimizer)
 def _optimizer_placeholders(
     modules: list[nn.Module], optimizer: torch.optim.Optimizer, saved: dict[str, Any]
 ) -> dict[str, Any]:
-    """Tensors shaped as saved (DCP loads into them) and slots for the pickled values."""
+    """Tensors shaped as saved (DCP loads into them) and slots for the pickled values.
+
+    A state tensor shaped like its parameter is made like it (device, and the sharding of an
+    FSDP2 parameter, so DCP loads just this rank's shard); others (Adam's step) as saved.
+    """
+    by_name: dict[str, list[tuple[str, Any]]] = {}
+    for key, meta in saved.items():
+        if key.startswith("optim.state."):
+            by_name.setdefault(key[len("optim.state.") :].rsplit(".", 1)[0], []).append((key, meta))
     out: dict[str, Any] = {}
-    for names in _param_names(modules, optimizer):
-        for name in names:
-            prefix = f"optim.state.{name}."
-            for key, meta in saved.items():
-                if key.startswith(prefix) and "." not in key[len(prefix) :]:
-                    if isinstance(meta, TensorStorageMetadata):
-                        out[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
-                    else:
-                        out[key] = b""
+    for names, group in zip(_param_names(modules, optimizer), optimizer.param_groups, strict=True):
+        for name, param in zip(names, group["params"], strict=True):
+            for key, meta in by_name.get(name, []):
+                if not isinstance(meta, TensorStorageMetadata):
+                    out[key] = b""
+                elif tuple(meta.size) == tuple(param.shape):
+                    out[key] = torch.empty_like(param, dtype=meta.properties.dtype)
+                else:
+                    out[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
             if f"optim.group.{name}" in saved:
                 out[f"optim.group.{name}"] = b""
     return out
@@ -390,16 +398,15 @@ def _optimizer_placeholders(
 def _load_optimizer(modules: list[nn.Module], optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
     current = optimizer.state_dict()
     current["state"] = {}
+    by_name: dict[str, dict[str, Any]] = {}
+    for key, value in state.items():
+        if key.startswith("optim.state."):
+            name, leaf = key[len("optim.state.") :].rsplit(".", 1)
+            by_name.setdefault(name, {})[leaf] = value if isinstance(value, torch.Tensor) else pickle.loads(value)
     for names, group in zip(_param_names(modules, optimizer), current["param_groups"], strict=True):
         for name, index in zip(names, group["params"], strict=True):
-            prefix = f"optim.state.{name}."
-            values = {
-                k[len(prefix) :]: (v if isinstance(v, torch.Tensor) else pickle.loads(v))
-                for k, v in state.items()
-                if k.startswith(prefix)
-            }
-            if values:
-                current["state"][index] = values
+            if name in by_name:
+                current["state"][index] = by_name[name]
         hyper_key = next((f"optim.group.{n}" for n in names if f"optim.group.{n}" in state), None)
         if hyper_key is not None:  # regrouped parameters take their group's first parameter's values
             group.update({k: v for k, v in pickle.loads(state[hyper_key]).items() if k != "params"})
