@@ -294,3 +294,35 @@ def merge_chunks(chunks: list[Any], chunk_spec: Any = None) -> Any:
     entries = _leaf_specs(chunks[0], chunk_spec, "output")
     merged = [_merge_leaf(name, [leaves[j] for leaves, _ in flat], spec) for j, (name, _, spec) in enumerate(entries)]
     return pytree.tree_unflatten(merged, treespec)
+
+
+def _split_block_mask(block_mask: Any, num_chunks: int) -> list[Any]:
+    """A FlexAttention ``BlockMask`` split along its batch dimension into ``num_chunks`` masks
+    (torch's name and signature; torchtitan imports it). A mask of batch 1 serves every chunk.
+
+    Each chunk's ``mask_mod`` sees the whole batch's index (``b`` + the chunk's offset), so a mask
+    that depends on the sequence's place in the batch means the same after the split.
+    """
+    if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
+        raise PipelineError(f"num_chunks must be an integer >= 1, got {num_chunks!r}")
+    batch = block_mask.kv_num_blocks.size(0)
+    if batch == 1:
+        return [block_mask] * num_chunks
+    if num_chunks > batch:
+        raise PipelineError(f"a block mask of batch {batch} cannot be split into {num_chunks} microbatches")
+    base = block_mask.mask_mod
+    chunks = []
+    start = 0
+    for size in (len(part) for part in torch.arange(batch).tensor_split(num_chunks)):
+        chunk = block_mask[start : start + size]
+        chunk.mask_mod = _with_batch_offset(base, start)
+        chunks.append(chunk)
+        start += size
+    return chunks
+
+
+def _with_batch_offset(mask_mod: Any, offset: int) -> Any:
+    def shifted(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return mask_mod(b + offset, h, q_idx, kv_idx)
+
+    return shifted
