@@ -146,3 +146,20 @@ def test_a_coalesced_batch_stands_for_each_operation(monkeypatch: pytest.MonkeyP
     assert len(works) == 3 and works[0] is works[2]
     works[2].wait()
     assert log == [("batch", ())]
+
+
+def test_off_the_cpu_a_one_tensor_message_is_received_as_bytes() -> None:
+    """The device packs bytes; its receive buffer is bytes too (NCCL need not match dtypes), and
+    the tensor is read back as a view of them."""
+    from pipetrain.runtime.transport.wire import _SAME, _pack, _recv_buffer, _unpack, layout_of, rebuild
+
+    t = torch.randn(3, 4).t()
+    layout, tensors = layout_of([t])
+    assert layout.single is not None
+    assert _recv_buffer(layout, torch.device("meta")).dtype is torch.uint8
+    flat = _pack(_SAME, 0, 0, layout, tensors, torch.device("cpu"))
+    received = torch.empty(flat.nbytes, dtype=torch.uint8)
+    received.copy_(flat.view(torch.uint8))  # what the wire does
+    got = rebuild(layout, _unpack(received, layout))
+    assert got[0].untyped_storage().data_ptr() == received.untyped_storage().data_ptr()
+    torch.testing.assert_close(got[0], t)

@@ -283,9 +283,13 @@ def _zeros(n: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _recv_buffer(layout: Layout | None, device: torch.device) -> torch.Tensor:
-    """The buffer a message of ``layout`` is received into: typed for one tensor, else bytes."""
+    """The buffer a message of ``layout`` is received into: typed for one tensor, else bytes.
+
+    Off the CPU always bytes, as the sender packs them there: NCCL is not relied on to match a
+    send and a receive of one size but different dtypes (the tensor is then a view of the bytes).
+    """
     single = layout.single if layout is not None else None
-    if single is not None:
+    if single is not None and device.type == "cpu":
         return torch.empty(single[1], dtype=single[0], device=device)
     return torch.empty(_slots(layout)[1], dtype=torch.uint8, device=device)
 
