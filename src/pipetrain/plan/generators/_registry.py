@@ -51,6 +51,38 @@ def register(family: ScheduleFamily) -> ScheduleFamily:
     return family
 
 
+def generator(
+    name: str,
+    *,
+    placement: str,
+    split_backward: bool,
+    aliases: tuple[str, ...] = (),
+    stages_per_rank: int | None = None,
+    torch_class: str = "",
+) -> Callable[[Builder], Builder]:
+    """Register the decorated builder as the schedule family ``name``; the first line of its
+    docstring is the family's summary. A new schedule is one module with one decorated function."""
+
+    def decorate(build: Builder) -> Builder:
+        doc = (build.__doc__ or "").strip()
+        summary = doc.splitlines()[0].rstrip(".") if doc else ""
+        register(
+            ScheduleFamily(
+                name,
+                build,
+                placement=placement,
+                split_backward=split_backward,
+                aliases=aliases,
+                summary=summary,
+                stages_per_rank=stages_per_rank,
+                torch_class=torch_class,
+            )
+        )
+        return build
+
+    return decorate
+
+
 def family(name: str) -> ScheduleFamily:
     """Look a schedule family up by name or alias, case-insensitively."""
     if not isinstance(name, str):

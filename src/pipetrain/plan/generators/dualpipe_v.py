@@ -28,7 +28,7 @@ from collections import deque
 
 from pipetrain.plan.actions import Action
 from pipetrain.plan.generators._common import B, F, I, Program, W, make_schedule, require, v_placement
-from pipetrain.plan.generators._registry import ScheduleFamily, register
+from pipetrain.plan.generators._registry import generator
 from pipetrain.plan.schedule import Schedule
 
 NAME = "DualPipeV"
@@ -118,7 +118,9 @@ def _restrict(action: Action | None, num_microbatches: int) -> Action | None:
     return kept[0] if len(kept) == 1 else Action.overlap(*kept)
 
 
+@generator(NAME, placement="v", split_backward=True)
 def build(num_ranks: int, num_microbatches: int, stages_per_rank: int | None) -> Schedule:
+    """DeepSeek's DualPipe cut in half: V placement, overlapped F&B pairs."""
     require(
         stages_per_rank in (None, 2),
         NAME,
@@ -130,14 +132,3 @@ def build(num_ranks: int, num_microbatches: int, stages_per_rank: int | None) ->
         kept = (_restrict(a, num_microbatches) for a in _rank_program(rank, num_ranks, n))
         programs[rank] = [a for a in kept if a is not None]
     return make_schedule(programs, v_placement(num_ranks), num_microbatches)
-
-
-register(
-    ScheduleFamily(
-        NAME,
-        build,
-        placement="v",
-        split_backward=True,
-        summary="DeepSeek's DualPipe cut in half: V placement, overlapped F&B pairs",
-    )
-)

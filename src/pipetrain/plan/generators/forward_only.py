@@ -9,13 +9,15 @@ freed when each forward ends.
 from __future__ import annotations
 
 from pipetrain.plan.generators._common import F, Program, loop_placement, loop_stages, make_schedule, require
-from pipetrain.plan.generators._registry import ScheduleFamily, register
+from pipetrain.plan.generators._registry import generator
 from pipetrain.plan.schedule import Schedule
 
 NAME = "ForwardOnly"
 
 
+@generator(NAME, placement="loop", split_backward=False)
 def build(num_ranks: int, num_microbatches: int, stages_per_rank: int | None) -> Schedule:
+    """Forward passes only (inference), breadth-first over a rank's stages."""
     v = 1 if stages_per_rank is None else stages_per_rank
     require(v >= 1, NAME, f"stages_per_rank >= 1 (got {v})")
     programs: dict[int, Program] = {
@@ -23,14 +25,3 @@ def build(num_ranks: int, num_microbatches: int, stages_per_rank: int | None) ->
         for rank in range(num_ranks)
     }
     return make_schedule(programs, loop_placement(num_ranks, v), num_microbatches)
-
-
-register(
-    ScheduleFamily(
-        NAME,
-        build,
-        placement="loop",
-        split_backward=False,
-        summary="forward passes only (inference), breadth-first over a rank's stages",
-    )
-)

@@ -7,13 +7,15 @@ microbatches' activations at its peak.
 from __future__ import annotations
 
 from pipetrain.plan.generators._common import B, F, Program, loop_placement, make_schedule, require
-from pipetrain.plan.generators._registry import ScheduleFamily, register
+from pipetrain.plan.generators._registry import generator
 from pipetrain.plan.schedule import Schedule
 
 NAME = "GPipe"
 
 
+@generator(NAME, placement="loop", stages_per_rank=1, split_backward=False)
 def build(num_ranks: int, num_microbatches: int, stages_per_rank: int | None) -> Schedule:
+    """All forwards, then all backwards."""
     require(
         stages_per_rank in (None, 1),
         NAME,
@@ -25,8 +27,3 @@ def build(num_ranks: int, num_microbatches: int, stages_per_rank: int | None) ->
         program += [B(rank, m) for m in range(num_microbatches)]
         programs[rank] = program
     return make_schedule(programs, loop_placement(num_ranks, 1), num_microbatches)
-
-
-register(
-    ScheduleFamily(NAME, build, placement="loop", split_backward=False, summary="all forwards, then all backwards")
-)

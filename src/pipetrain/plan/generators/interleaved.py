@@ -29,7 +29,7 @@ from pipetrain.plan.generators._common import (
     microbatch_groups,
     require,
 )
-from pipetrain.plan.generators._registry import ScheduleFamily, register
+from pipetrain.plan.generators._registry import generator
 from pipetrain.plan.generators.one_f_one_b import one_forward_one_backward
 from pipetrain.plan.schedule import Schedule
 
@@ -58,7 +58,9 @@ def rank_orders(
     return forwards, backwards
 
 
+@generator(NAME, placement="loop", split_backward=False, aliases=("FlexibleInterleaved1F1B",))
 def build(num_ranks: int, num_microbatches: int, stages_per_rank: int | None) -> Schedule:
+    """1F1B over several loop-placed stages per rank (Megatron), any number of microbatches."""
     v = DEFAULT_STAGES_PER_RANK if stages_per_rank is None else stages_per_rank
     require(v >= 1, NAME, f"stages_per_rank >= 1 (got {v})")
     groups = microbatch_groups(num_ranks, num_microbatches)
@@ -68,15 +70,3 @@ def build(num_ranks: int, num_microbatches: int, stages_per_rank: int | None) ->
         warmup = warmup_forwards(rank, num_ranks, v, len(groups[0]))
         programs[rank] = one_forward_one_backward(forwards, backwards, warmup)
     return make_schedule(programs, loop_placement(num_ranks, v), num_microbatches)
-
-
-register(
-    ScheduleFamily(
-        NAME,
-        build,
-        placement="loop",
-        split_backward=False,
-        aliases=("FlexibleInterleaved1F1B",),
-        summary="1F1B over several loop-placed stages per rank (Megatron), any number of microbatches",
-    )
-)

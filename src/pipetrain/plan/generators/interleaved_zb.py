@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pipetrain.plan.generators._common import F, I, Program, W, loop_placement, make_schedule, microbatch_groups
-from pipetrain.plan.generators._registry import ScheduleFamily, register
+from pipetrain.plan.generators._registry import generator
 from pipetrain.plan.schedule import Schedule
 
 NAME = "InterleavedZeroBubble"
@@ -70,18 +70,9 @@ def rank_program(rank: int, num_ranks: int, num_microbatches: int, stages_per_ra
     return split_backward_program(forwards, backwards, warmup=warmup, w_delay=rank)
 
 
+@generator(NAME, placement="loop", split_backward=True)
 def build(num_ranks: int, num_microbatches: int, stages_per_rank: int | None) -> Schedule:
+    """ZB1P with virtual stages: depth-first interleaving, deferred W fill the bubbles."""
     v = DEFAULT_STAGES_PER_RANK if stages_per_rank is None else stages_per_rank
     programs = {r: rank_program(r, num_ranks, num_microbatches, v) for r in range(num_ranks)}
     return make_schedule(programs, loop_placement(num_ranks, v), num_microbatches)
-
-
-register(
-    ScheduleFamily(
-        NAME,
-        build,
-        placement="loop",
-        split_backward=True,
-        summary="ZB1P with virtual stages: depth-first interleaving, deferred W fill the bubbles",
-    )
-)

@@ -10,14 +10,16 @@ is that every rank holds all ``v·m`` activations at its peak.
 from __future__ import annotations
 
 from pipetrain.plan.generators._common import B, F, Program, loop_placement, loop_stages, make_schedule, require
-from pipetrain.plan.generators._registry import ScheduleFamily, register
+from pipetrain.plan.generators._registry import generator
 from pipetrain.plan.schedule import Schedule
 
 NAME = "LoopedBFS"
 DEFAULT_STAGES_PER_RANK = 2
 
 
+@generator(NAME, placement="loop", split_backward=False)
 def build(num_ranks: int, num_microbatches: int, stages_per_rank: int | None) -> Schedule:
+    """Breadth-first over loop-placed stages: each stage's microbatches together."""
     v = DEFAULT_STAGES_PER_RANK if stages_per_rank is None else stages_per_rank
     require(v >= 1, NAME, f"stages_per_rank >= 1 (got {v})")
     mbs = range(num_microbatches)
@@ -28,14 +30,3 @@ def build(num_ranks: int, num_microbatches: int, stages_per_rank: int | None) ->
         program += [B(stage, m) for stage in reversed(stages) for m in reversed(mbs)]
         programs[rank] = program
     return make_schedule(programs, loop_placement(num_ranks, v), num_microbatches)
-
-
-register(
-    ScheduleFamily(
-        NAME,
-        build,
-        placement="loop",
-        split_backward=False,
-        summary="breadth-first over loop-placed stages: each stage's microbatches together",
-    )
-)

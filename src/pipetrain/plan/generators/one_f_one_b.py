@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from pipetrain.plan.actions import Action
 from pipetrain.plan.generators._common import B, F, Program, loop_placement, make_schedule, require
-from pipetrain.plan.generators._registry import ScheduleFamily, register
+from pipetrain.plan.generators._registry import generator
 from pipetrain.plan.schedule import Schedule
 
 NAME = "1F1B"
@@ -34,7 +34,9 @@ def one_forward_one_backward(forwards: Sequence[Action], backwards: Sequence[Act
     return program
 
 
+@generator(NAME, placement="loop", stages_per_rank=1, split_backward=False)
 def build(num_ranks: int, num_microbatches: int, stages_per_rank: int | None) -> Schedule:
+    """One forward, one backward; rank r holds at most p - r microbatches."""
     require(
         stages_per_rank in (None, 1),
         NAME,
@@ -48,14 +50,3 @@ def build(num_ranks: int, num_microbatches: int, stages_per_rank: int | None) ->
         for rank in range(num_ranks)
     }
     return make_schedule(programs, loop_placement(num_ranks, 1), num_microbatches)
-
-
-register(
-    ScheduleFamily(
-        NAME,
-        build,
-        placement="loop",
-        split_backward=False,
-        summary="one forward, one backward; rank r holds at most p - r microbatches",
-    )
-)

@@ -23,7 +23,7 @@ of them first, and ZB-H2 shortens its W deferral to what the remaining microbatc
 from __future__ import annotations
 
 from pipetrain.plan.generators._common import Program, loop_placement, make_schedule, require
-from pipetrain.plan.generators._registry import ScheduleFamily, register
+from pipetrain.plan.generators._registry import generator
 from pipetrain.plan.generators.interleaved_zb import split_backward_program
 from pipetrain.plan.schedule import Schedule
 
@@ -45,14 +45,18 @@ def _check_one_stage(name: str, stages_per_rank: int | None) -> None:
     )
 
 
+@generator(H1, placement="loop", stages_per_rank=1, split_backward=True)
 def build_h1(num_ranks: int, num_microbatches: int, stages_per_rank: int | None) -> Schedule:
+    """Zero bubble H1: 1F1B's memory, a third of its bubble (W deferred into the cool-down)."""
     _check_one_stage(H1, stages_per_rank)
     p = num_ranks
     programs = {r: rank_program(r, num_microbatches, warmup=p - r, w_delay=r) for r in range(p)}
     return make_schedule(programs, loop_placement(p, 1), num_microbatches)
 
 
+@generator(H2, placement="loop", stages_per_rank=1, split_backward=True)
 def build_h2(num_ranks: int, num_microbatches: int, stages_per_rank: int | None) -> Schedule:
+    """Zero bubble H2: no idle time inside a rank's span, at up to 2p-1 activations."""
     _check_one_stage(H2, stages_per_rank)
     p, m = num_ranks, num_microbatches
     programs: dict[int, Program] = {}
@@ -63,23 +67,3 @@ def build_h2(num_ranks: int, num_microbatches: int, stages_per_rank: int | None)
         w_delay = min(2 * r, max(r, m - warmup))
         programs[r] = rank_program(r, m, warmup=warmup, w_delay=w_delay)
     return make_schedule(programs, loop_placement(p, 1), m)
-
-
-register(
-    ScheduleFamily(
-        H1,
-        build_h1,
-        placement="loop",
-        split_backward=True,
-        summary="zero bubble H1: 1F1B's memory, a third of its bubble (W deferred into the cool-down)",
-    )
-)
-register(
-    ScheduleFamily(
-        H2,
-        build_h2,
-        placement="loop",
-        split_backward=True,
-        summary="zero bubble H2: no idle time inside a rank's span, at up to 2p-1 activations",
-    )
-)

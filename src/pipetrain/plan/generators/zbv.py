@@ -33,7 +33,7 @@ from collections import deque
 from pipetrain.plan.actions import Action
 from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.generators._common import F, I, Program, W, make_schedule, require, v_placement
-from pipetrain.plan.generators._registry import ScheduleFamily, register
+from pipetrain.plan.generators._registry import generator
 from pipetrain.plan.schedule import Schedule
 
 NAME = "ZBVZeroBubble"
@@ -154,7 +154,9 @@ def _keep(action: Action, num_microbatches: int) -> bool:
     return action.microbatch is not None and action.microbatch < num_microbatches
 
 
+@generator(NAME, placement="v", split_backward=True)
 def build(num_ranks: int, num_microbatches: int, stages_per_rank: int | None) -> Schedule:
+    """Zero bubble with 1F1B's memory: 2 chunks per rank in a V, F/I/W."""
     require(
         stages_per_rank in (None, 2),
         NAME,
@@ -171,14 +173,3 @@ def build(num_ranks: int, num_microbatches: int, stages_per_rank: int | None) ->
             full if n == num_microbatches else [a for a in full if a is not None and _keep(a, num_microbatches)]
         )
     return make_schedule(programs, v_placement(num_ranks), num_microbatches)
-
-
-register(
-    ScheduleFamily(
-        NAME,
-        build,
-        placement="v",
-        split_backward=True,
-        summary="zero bubble with 1F1B's memory: 2 chunks per rank in a V, F/I/W",
-    )
-)
