@@ -10,24 +10,9 @@ import torch
 from torch import nn
 
 from support.dist import run_ranks
+from support.models import Explodes
 
 pytestmark = pytest.mark.slow
-
-
-class Explodes(nn.Module):
-    """A module with a bug: its forward raises on call number ``fail_on`` (counting from 0)."""
-
-    def __init__(self, fail_on: int) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-        self.calls = 0
-        self.fail_on = fail_on
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        if self.calls - 1 == self.fail_on:
-            raise ValueError("bug in the module")
-        return self.lin(x)
 
 
 class Unsendable(nn.Module):

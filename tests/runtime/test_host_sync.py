@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from support.dist import run_ranks
-from support.models import assert_grads_equal, make_batch, make_layers, reference, stages_per_rank
+from support.models import Explodes, assert_grads_equal, make_batch, make_layers, reference, stages_per_rank
 
 pytestmark = pytest.mark.slow
 
@@ -78,22 +78,6 @@ def test_no_host_read_after_the_first_step_on_every_schedule(monkeypatch: pytest
                 assert all(c >= 4 for c in counts), counts
 
 
-class _Explodes(nn.Module):
-    """Raises on forward call number ``fail_on`` (from 0)."""
-
-    def __init__(self, fail_on: int) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-        self.calls = 0
-        self.fail_on = fail_on
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        if self.calls - 1 == self.fail_on:
-            raise ValueError("bug in the module")
-        return self.lin(x)
-
-
 def _fails(rank: int, world: int) -> tuple[str, float]:
     import time
 
@@ -101,7 +85,7 @@ def _fails(rank: int, world: int) -> tuple[str, float]:
     from pipetrain.errors import PipelineError
 
     torch.manual_seed(0)
-    stage = PipelineStage(_Explodes(6 if rank == 1 else -1), rank, world, "cpu")
+    stage = PipelineStage(Explodes(6 if rank == 1 else -1), rank, world, "cpu")
     sched = Schedule1F1B(stage, 4, loss_fn=nn.functional.mse_loss, timeout=60)
     assert sched._transport.control
     x, y = torch.randn(8, 4), torch.randn(8, 4)

@@ -60,3 +60,19 @@ def assert_grads_equal(stages: Mapping[int, nn.Module], ref: Sequence[nn.Module]
     for s, mod in stages.items():
         for (name, p), q in zip(mod.named_parameters(), ref[s].parameters(), strict=True):
             torch.testing.assert_close(p.grad, q.grad, msg=lambda e, n=f"{case}: stage {s} {name}": f"{n}: {e}")
+
+
+class Explodes(nn.Module):
+    """A module with a bug: its forward raises on call number ``fail_on`` (counting from 0)."""
+
+    def __init__(self, fail_on: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.calls = 0
+        self.fail_on = fail_on
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls - 1 == self.fail_on:
+            raise ValueError("bug in the module")
+        return self.lin(x)
