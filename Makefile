@@ -25,7 +25,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check src tests benchmarks examples
 
 typecheck: $(STAMP)
-	$(BIN)/mypy --strict src/pipetrain/plan
+	$(BIN)/mypy --strict src/pipetrain
 
 pytest: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 tests
