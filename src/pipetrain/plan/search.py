@@ -159,7 +159,6 @@ class Plan:
     makespan: float
     memory: float
     best_named: Candidate | None
-    layouts_tried: tuple[str, ...]
 
 
 def plan_schedule(
@@ -237,20 +236,10 @@ def plan_schedule(
         if best_named is None or makespan < best_named.result.makespan - 1e-9:
             schedule = problem.to_schedule(orders)
             memory = max(problem.peak(o) for o in orders)
-            return Plan(schedule, makespan, memory, best_named, tuple(_label(p) for p in problems))
+            return Plan(schedule, makespan, memory, best_named)
     if best_named is None:
         raise ScheduleError("no schedule found within the time limit; give it more time_limit")
-    return Plan(
-        best_named.schedule,
-        best_named.result.makespan,
-        best_named.memory,
-        best_named,
-        tuple(_label(p) for p in problems),
-    )
-
-
-def _label(problem: Problem) -> str:
-    return f"{problem.num_stages // problem.num_ranks}x{problem.placement}"
+    return Plan(best_named.schedule, best_named.result.makespan, best_named.memory, best_named)
 
 
 def _same_layout(problem: Problem, schedule: Schedule) -> bool:

@@ -48,7 +48,6 @@ class AutoPlan:
 
     schedule: Schedule
     summary: str
-    costs: str
 
 
 def plan_from_profile(profiled: Schedule, timelines: list[Timeline], time_limit: float) -> AutoPlan:
@@ -76,7 +75,7 @@ def plan_from_profile(profiled: Schedule, timelines: list[Timeline], time_limit:
         f"simulated step {found.makespan * 1e3:.3g} ms vs {profiled.name}'s {base.makespan * 1e3:.3g} ms "
         f"({speedup:.3f}x), at most {found.memory:g} of {limit:g} stage activations per rank"
     )
-    return AutoPlan(found.schedule, summary, str(costs))
+    return AutoPlan(found.schedule, summary)
 
 
 def write_profile(path: str, schedule: Schedule, timelines: list[Timeline]) -> None:
@@ -97,7 +96,7 @@ def share_plan(plan: AutoPlan | None, group: Any = None) -> AutoPlan:
     box: list[Any] = [None]
     if dist.get_rank(group) == 0:
         assert plan is not None
-        box[0] = (plan.schedule.to_json(), plan.summary, plan.costs)
+        box[0] = (plan.schedule.to_json(), plan.summary)
     dist.broadcast_object_list(box, src=0, group=group)
-    text, summary, costs = box[0]
-    return AutoPlan(Schedule.from_json_text(text), summary, costs)
+    text, summary = box[0]
+    return AutoPlan(Schedule.from_json_text(text), summary)
