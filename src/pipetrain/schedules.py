@@ -19,7 +19,7 @@ from pipetrain.errors import PipelineError
 from pipetrain.plan import ActionKind, ScheduleError, build_schedule
 from pipetrain.plan.generators import ScheduleFamily, family, schedule_names
 from pipetrain.runtime import LossFn, PipelineScheduleRuntime, announce_failure, read_torch_csv
-from pipetrain.runtime.executor import CustomAction, PipelineContext
+from pipetrain.runtime.custom import CustomAction, PipelineContext
 from pipetrain.stage import PipelineStage
 
 __all__ = [

@@ -4,6 +4,7 @@ The parts, one job each:
 
 * ``prepare``: from the schedule given to what runs (lowering, its options, compiling programs)
 * ``executor``: the one interpreter of a rank's compiled program
+* ``custom``: what a function registered with ``register_custom_function`` receives
 * ``driver``: ``step``/``eval`` shared by the two drivers below
 * ``distributed``: :class:`PipelineScheduleRuntime`, one rank on ``torch.distributed``
 * ``local``: :class:`LocalPipeline`, every rank in one process

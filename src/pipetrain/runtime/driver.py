@@ -20,13 +20,8 @@ from pipetrain.microbatch import merge_chunks, requires_grad, split_args_kwargs_
 from pipetrain.microbatch import split_stage_kwargs as split_extra_kwargs
 from pipetrain.plan import Action, ActionKind, Schedule
 from pipetrain.plan.timeline import Timeline, TimelineEvent
-from pipetrain.runtime.executor import (
-    CUSTOM_KINDS,
-    CustomFunction,
-    LossFn,
-    RankExecutor,
-    StepData,
-)
+from pipetrain.runtime.custom import CUSTOM_KINDS, CustomFunction
+from pipetrain.runtime.executor import LossFn, RankExecutor, StepData
 from pipetrain.runtime.prepare import Prepared, require_autograd
 
 __all__ = ["StepDriver", "events_timeline"]
@@ -144,7 +139,7 @@ class StepDriver:
         ``computation_type`` (torch 2.13's hook and kinds: F, B, I, W, OVERLAP_F_B, UNSHARD,
         RESHARD, REDUCE_GRAD, as pipetrain's ``ActionKind``, torch's constants or their strings).
 
-        ``ctx`` is a :class:`~pipetrain.runtime.executor.PipelineContext`: torch's fields
+        ``ctx`` is a :class:`~pipetrain.runtime.custom.PipelineContext`: torch's fields
         (``schedule_ref``, ``arg_mbs``, ``kwarg_mbs``, ``target_mbs``, ``losses``), this rank's
         ``stages``, and the executor's hand-over of inputs and outputs, so the function computes
         while the executor still routes the data. As in torch, a later registration replaces an
