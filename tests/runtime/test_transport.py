@@ -37,7 +37,7 @@ def _exchange(rank: int, world: int, configs: list[tuple[bool, bool, bool, bool]
     import torch.distributed as dist
 
     from pipetrain.runtime.transport import DistTransport, RecvItem, SendItem, Waiter
-    from pipetrain.runtime.transport.p2p import private_gloo
+    from pipetrain.runtime.transport.control import private_gloo
 
     counts = []
     for single_tag, control, stream_waits, private in configs:

@@ -21,20 +21,9 @@ receive from one peer, and right after each part is posted its headers are read 
 follow-ups of new layouts posted, before anything else. Sends of a batch go first with its first
 part. On gloo by default the follow-ups use tag 1 instead, so headers are read lazily, right
 before the data is needed, in posting order per peer (gloo matches per tag, first in, first out).
-
-The control plane (single-tag mode; ``PIPETRAIN_CONTROL_PLANE=0`` turns it off). Reading a header
-out of received GPU data is a device-to-host copy: it blocks the host until the message landed
-and every kernel queued before it ran, so the host could never queue work ahead of the GPU. So
-each message's header (flag, layout size, payload size) and a new layout's bytes travel on a CPU
-channel instead, posted when the SEND is posted: the group itself when it has a CPU backend
-(``cpu:gloo,cuda:nccl``), else a gloo group over the same ranks built on the group's store. The
-receiver waits only for that header (which the sender's host posted as soon as it had queued the
-producing kernels), never for the data: the data's operation is waited for on the consuming
-stream (``stream_waits``), and sent buffers are held until the step's sends were waited for on
-the stream. The data plane keeps its operations and order (a first message of the remembered
-size, then the new payload when the layout changed), so matching is as without the control plane.
-Every host read of a data-plane tensor goes through :func:`~pipetrain.runtime.transport.host.host_read`
-(counted); with the control plane there is none.
+In single-tag mode headers and new layouts travel on a CPU control plane by default (see
+:mod:`~pipetrain.runtime.transport.control`: under NCCL, reading a header out of the data would
+block the host).
 
 Reading the headers right after posting cannot deadlock, for schedules made by ``Schedule.lower()``:
 the proof is in docs/semantics.md ("Reading headers right after posting"); on the control plane a
@@ -44,16 +33,16 @@ header is posted no later than its data, so the same proof holds.
 directly, elsewhere as ``batch_isend_irecv`` batches of buffers on the stage's device); sends
 complete in the background (see :class:`Waiter`). A message that is one tensor or a list or
 tuple of tensors skips pytree on both sides; one tensor travels in a buffer of its own dtype (the
-header is a whole number of elements), so the receiver reads it back as a single view.
+header is a whole number of elements), so the receiver reads it back as a single view. What a
+send posts is built by :class:`~pipetrain.runtime.transport.sender.Sender`; posting, receiving
+and failures are here.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 from collections import deque
 from collections.abc import Sequence
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -62,11 +51,12 @@ import torch.distributed as dist
 from pipetrain.errors import PipelineError
 from pipetrain.runtime.failures import FailureChannel, RemoteFailureError
 from pipetrain.runtime.transport.completion import Waiter, _describe, keep_alive
+from pipetrain.runtime.transport.control import control_default, control_group, header_word
 from pipetrain.runtime.transport.host import host_read
+from pipetrain.runtime.transport.sender import Op, Sender
 from pipetrain.runtime.transport.wire import (
     _FAIL,
     _HEADER,
-    _NEW,
     _SAME,
     _TAG_CONTROL,
     _TAG_NEW,
@@ -77,69 +67,19 @@ from pipetrain.runtime.transport.wire import (
     RecvItem,
     SendItem,
     _bytes,
-    _fingerprint,
-    _pack,
     _recv_buffer,
-    _same,
     _shapes,
-    _signature,
     _specs,
     _unpack,
-    layout_of,
     rebuild,
 )
 
 __all__ = ["DistTransport"]
 
-_Op = tuple[bool, torch.Tensor, int, int]  # (is a send, tensor, group peer, tag)
-
 
 def _single_tag_default(backend: str) -> bool:
     """NCCL (any backend but gloo) matches by posting order only; tests force it on gloo."""
     return backend != "gloo" or os.environ.get("PIPETRAIN_SINGLE_TAG", "") not in ("", "0")
-
-
-def _control_default() -> bool:
-    """The control plane is on unless ``PIPETRAIN_CONTROL_PLANE=0`` (headers in the data, as before)."""
-    return os.environ.get("PIPETRAIN_CONTROL_PLANE", "") != "0"
-
-
-_PRIVATE: dict[Any, Any] = {}  # data group -> the gloo group made for its control plane
-
-
-def control_group(group: Any, backend: str, timeout: float = 1800.0) -> Any:
-    """A process group that carries CPU tensors between the ranks of ``group``, in its rank numbering.
-
-    ``group`` itself when it can: gloo, or a group with a CPU backend beside its device one
-    (``init_process_group()`` without a backend gives ``cpu:gloo,cuda:nccl``). Else a gloo group
-    over ``group``'s store, made once per group; every rank of ``group`` builds its runtime, so
-    every rank makes it, as the rendezvous needs.
-    """
-    if backend == "gloo":
-        return group
-    try:
-        group._get_backend(torch.device("cpu"))
-        return group
-    except Exception:  # no CPU backend on this group (NCCL alone)
-        pass
-    return private_gloo(group, timeout)
-
-
-def private_gloo(group: Any, timeout: float = 1800.0) -> Any:
-    """A gloo group over the ranks of ``group`` (same rank numbering), made once per group."""
-    made = _PRIVATE.get(group)
-    if made is None:
-        c10d = dist.distributed_c10d
-        entry = c10d._world.pg_map.get(group)
-        store = entry[1] if entry is not None else c10d._get_default_store()
-        name = str(getattr(group, "group_name", "world"))
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        prefix = c10d.PrefixStore(f"pipetrain-control/{name}@{attempt}/", store)
-        made = dist.ProcessGroupGloo(
-            prefix, dist.get_rank(group), dist.get_world_size(group), timedelta(seconds=timeout)
-        )
-        _PRIVATE[group] = made
-    return made
 
 
 class _Joint:
@@ -154,25 +94,6 @@ class _Joint:
         for work in self.works:
             work.wait(*timeout)
         return True
-
-
-_CTRL_FIXED: dict[int, torch.Tensor] = {}
-
-
-def _ctrl_header(flag: int, layout_bytes: int, payload_bytes: int) -> torch.Tensor:
-    """A control-plane header. Steady (and failure) headers are one shared tensor each: a send
-    only reads its buffer, and building one costs more than the rest of a steady message."""
-    if layout_bytes == 0 and payload_bytes == 0:
-        fixed = _CTRL_FIXED.get(flag)
-        if fixed is None:
-            fixed = _CTRL_FIXED[flag] = torch.tensor([flag] + [0] * (_HEADER - 1), dtype=torch.int64)
-        return fixed
-    return torch.tensor([flag, layout_bytes, payload_bytes] + [0] * (_HEADER - 3), dtype=torch.int64)
-
-
-def _word(t: torch.Tensor, i: int) -> int:
-    """Word ``i`` of a control header: host memory, read in place (no copy, nothing counted)."""
-    return int(ctypes.c_int64.from_address(t.data_ptr() + 8 * i).value)
 
 
 class DistTransport:
@@ -198,8 +119,6 @@ class DistTransport:
         self.device = device
         self.failure = failure
         self.waiter = waiter
-        self._sent: dict[Key, Layout] = {}
-        self._sent_sig: dict[Key, Any] = {}  # _signature of the last plain message sent per key
         self._received: dict[Key, Layout] = {}
         self._before: dict[Key, Layout] = {}  # the layout a key had before its last change (for errors)
         self._unresolved: dict[int, deque[RecvHandle]] = {}
@@ -209,9 +128,10 @@ class DistTransport:
         self._tag_new = _TAG_STEADY if self.single_tag else _TAG_NEW
         # gloo runs each operation on its own; posting directly skips per-call Python overhead.
         self._pg: Any = group_obj if backend == "gloo" else None
-        # Order-only matching: headers and layouts travel on a CPU channel (see the module docstring).
-        use_control = self.single_tag and (_control_default() if control is None else control)
+        # Order-only matching: headers and layouts travel on a CPU channel (see transport/control.py).
+        use_control = self.single_tag and (control_default() if control is None else control)
         self._ctrl_pg: Any = control_group(group_obj, backend) if use_control else None
+        self._sender = Sender(device, use_control, self._tag_new)
         # Device data: a receive is waited for on the consuming stream, sends at the step's end on
         # the stream too (no host wait). Forced on the CPU by tests (gloo's wait then blocks).
         self.stream_waits = device.type != "cpu" if stream_waits is None else stream_waits
@@ -221,7 +141,7 @@ class DistTransport:
         """Whether headers and layouts travel on the CPU control plane."""
         return self._ctrl_pg is not None
 
-    def _launch(self, ops: list[_Op], control: bool = False) -> list[Any]:
+    def _launch(self, ops: list[Op], control: bool = False) -> list[Any]:
         """Post operations, one work per operation: straight on a gloo group (no Python wrappers)
         or the control group, else as one batch (whose single coalesced work then stands for each)."""
         if not ops:
@@ -261,13 +181,13 @@ class DistTransport:
         second receive from the same peer, and the headers of each part are read right after it
         is posted (see the module docstring); with the control plane, on the CPU channel.
         """
-        ops: list[_Op] = []
-        ctrl: list[_Op] = []
+        ops: list[Op] = []
+        ctrl: list[Op] = []
         sends: list[tuple[int, int, int, int, SendItem, list[torch.Tensor]]] = []
         for item in items:
             if isinstance(item, SendItem):
                 start, cstart = len(ops), len(ctrl)
-                keep = self._send_ops(item, ops, ctrl)
+                keep = self._sender.ops(item, ops, ctrl)
                 sends.append((start, len(ops), cstart, len(ctrl), item, keep))
         handles: list[RecvHandle] = []
         part: list[RecvHandle] = []
@@ -299,7 +219,7 @@ class DistTransport:
                 send.on_done()  # the data was copied into the message
         return handles
 
-    def _flush(self, ops: list[_Op], ctrl: list[_Op], part: list[RecvHandle]) -> tuple[list[Any], list[Any]]:
+    def _flush(self, ops: list[Op], ctrl: list[Op], part: list[RecvHandle]) -> tuple[list[Any], list[Any]]:
         """Launch ``ctrl`` (first: the peers' headers wait on it), then ``ops``; in single-tag mode
         settle the receives among them at once."""
         ctrl_works = self._launch(ctrl, control=True)
@@ -311,60 +231,7 @@ class DistTransport:
             self._settle(part)
         return works, ctrl_works
 
-    def _send_ops(self, item: SendItem, ops: list[_Op], ctrl: list[_Op]) -> list[torch.Tensor]:
-        obj, item.obj = item.obj, None  # packed below: the message keeps no reference to the output
-        control = self._ctrl_pg is not None
-        sig = _signature(obj)
-        old = self._sent.get(item.key)
-        if sig is not None and old is not None and self._sent_sig.get(item.key) == sig:
-            # Steady state of a plain message: same container and tensor specs, no pytree needed.
-            tensors = [obj.detach()] if sig[0] is torch.Tensor else [t.detach() for t in obj]
-            return self._steady(item, old, tensors, ops, ctrl)
-        layout, tensors = layout_of(obj)
-        tensors = [t.detach() for t in tensors]
-        if sig is not None and layout.simple is sig[0]:
-            self._sent_sig[item.key] = sig
-        else:
-            self._sent_sig.pop(item.key, None)
-        if old is not None and _same(old, layout):
-            return self._steady(item, layout, tensors, ops, ctrl)
-        # The receiver posted a message of the remembered size: fill it with a notice giving the
-        # sizes of the two follow-ups (the new layout, then the packed tensors). With the control
-        # plane the notice's words and the layout go there instead; the data plane carries the
-        # (unread) notice and the tensors.
-        encoded = layout.encode()
-        payload = _pack(_NEW, 0, 0, layout, tensors, self.device, header=not control)
-        notice = _pack(_NEW, encoded.numel(), payload.nbytes, old, [], self.device, header=not control)
-        ops.append((True, notice, item.peer, _TAG_STEADY))
-        if control:
-            header = _ctrl_header(_NEW, encoded.numel(), payload.nbytes)
-            ctrl.append((True, header, item.peer, _TAG_CONTROL))
-            ctrl.append((True, encoded, item.peer, _TAG_CONTROL))
-            keep = [notice, payload, header, encoded]
-        else:
-            encoded = encoded.to(self.device)
-            ops.append((True, encoded, item.peer, self._tag_new))
-            keep = [notice, encoded, payload]
-        ops.append((True, payload, item.peer, self._tag_new))
-        _fingerprint(layout)  # now: the plain values as sent, before the caller may change them
-        self._sent[item.key] = layout
-        return keep
-
-    def _steady(
-        self, item: SendItem, layout: Layout, tensors: list[torch.Tensor], ops: list[_Op], ctrl: list[_Op]
-    ) -> list[torch.Tensor]:
-        """A message whose layout the receiver knows: one data operation (and a header on the control plane)."""
-        if self._ctrl_pg is None:
-            flat = _pack(_SAME, 0, 0, layout, tensors, self.device)
-            ops.append((True, flat, item.peer, _TAG_STEADY))
-            return [flat]
-        flat = _pack(_SAME, 0, 0, layout, tensors, self.device, header=False)
-        header = _ctrl_header(_SAME, 0, 0)
-        ops.append((True, flat, item.peer, _TAG_STEADY))
-        ctrl.append((True, header, item.peer, _TAG_CONTROL))
-        return [flat, header]
-
-    def _recv_ops(self, item: RecvItem, ops: list[_Op], ctrl: list[_Op]) -> RecvHandle:
+    def _recv_ops(self, item: RecvItem, ops: list[Op], ctrl: list[Op]) -> RecvHandle:
         cached = self._received.get(item.key)
         flat = _recv_buffer(cached, self.device)
         handle = RecvHandle(item.key, item.peer, item.what, flat=flat, cached=cached)
@@ -385,8 +252,8 @@ class DistTransport:
         operation completes on the consuming stream, at :meth:`wait`); without it they are read
         from the received data, on the host (:func:`host_read`).
         """
-        ops: list[_Op] = []
-        ctrl: list[_Op] = []
+        ops: list[Op] = []
+        ctrl: list[Op] = []
         pending: list[tuple[RecvHandle, int, int]] = []
         for handle in handles:
             flag = self._wait_early(handle)
@@ -397,7 +264,7 @@ class DistTransport:
                 handle.layout = handle.cached
                 continue
             if handle.ctrl is not None:
-                layout_bytes, payload_bytes = _word(handle.ctrl, 1), _word(handle.ctrl, 2)
+                layout_bytes, payload_bytes = header_word(handle.ctrl, 1), header_word(handle.ctrl, 2)
                 encoded = torch.empty(layout_bytes, dtype=torch.uint8)
                 handle.stub = flat  # its operation may still be in flight
                 pending.append((handle, len(ops), len(ctrl)))
@@ -507,7 +374,7 @@ class DistTransport:
     @staticmethod
     def _flag(handle: RecvHandle) -> int:
         if handle.ctrl is not None:  # host memory: the control plane's header
-            return _word(handle.ctrl, 0)
+            return header_word(handle.ctrl, 0)
         flat = handle.flat
         assert flat is not None
         flag = host_read(flat, first_byte=True)  # the low byte of the first header word
@@ -543,13 +410,10 @@ class DistTransport:
         layouts), so it completes the receive the peer is blocked in; with the control plane a
         failure header goes there too (where the peer waits).
         """
-        ops: list[_Op] = []
-        ctrl: list[_Op] = []
+        ops: list[Op] = []
+        ctrl: list[Op] = []
         for key, peer in sends:
-            notice = _pack(_FAIL, 0, 0, self._sent.get(key), [], self.device)
-            ops.append((True, notice, peer, _TAG_STEADY))
-            if self._ctrl_pg is not None:
-                ctrl.append((True, _ctrl_header(_FAIL, 0, 0), peer, _TAG_CONTROL))
+            self._sender.failure(key, peer, ops, ctrl)
         for group, control in ((ctrl, True), (ops, False)):
             if group:
                 try:
@@ -571,8 +435,7 @@ class DistTransport:
         # Receives still posted can never complete in order now; keep their operations and
         # buffers alive (as the failure notices are) rather than destroying operations in flight.
         keep_alive(handle for queue in self._unresolved.values() for handle in queue)
-        self._sent.clear()
-        self._sent_sig.clear()
+        self._sender.reset()
         self._received.clear()
         self._before.clear()
         self._unresolved.clear()
