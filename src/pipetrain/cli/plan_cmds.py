@@ -5,41 +5,34 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from pipetrain.cli.common import OUTPUT_NAMING, add_size_arguments, schedule_from_args, schedule_output, write_schedule
+from pipetrain.cli.arguments import add_output_argument, add_schedule_command
+from pipetrain.cli.common import schedule_from_args, schedule_output, write_schedule
 from pipetrain.plan.errors import ScheduleError
-from pipetrain.plan.generators import schedule_names
 from pipetrain.plan.schedule import Schedule
 
 
 def register(subparsers: Any) -> None:
-    names = ", ".join(schedule_names())
-    show = subparsers.add_parser(
+    show = add_schedule_command(
+        subparsers,
         "show",
         help="print a schedule as a steps × ranks grid",
         description="Print a named schedule (or a .csv/.json file) as a text grid, one column per rank and one "
         "row per step, in torch's action grammar (2F0 = stage 2's forward of microbatch 0).",
     )
-    show.add_argument("schedule", help=f"schedule name ({names}) or a .csv/.json file")
-    add_size_arguments(show, required=False)
     _add_lowering_arguments(show)
     show.set_defaults(func=_show)
 
-    export = subparsers.add_parser(
+    export = add_schedule_command(
+        subparsers,
         "export",
         help="write a schedule as torch-format CSV or JSON",
         description="Write a named schedule, optionally lowered (SEND/RECV, FSDP, gradient reduction), as a file: "
         "torch's CSV format (readable by torch's _load_csv and by pipetrain) or pipetrain's JSON.",
     )
-    export.add_argument("schedule", help=f"schedule name ({names}) or a .csv/.json file")
-    add_size_arguments(export, required=False)
     _add_lowering_arguments(export)
     target = export.add_mutually_exclusive_group(required=True)
-    target.add_argument(
-        "--csv", metavar="FILE", help=f"write torch's CSV format, one row per rank ({OUTPUT_NAMING.format(fmt='csv')})"
-    )
-    target.add_argument(
-        "--json", metavar="FILE", help=f"write pipetrain's JSON format ({OUTPUT_NAMING.format(fmt='json')})"
-    )
+    add_output_argument(target, "csv", "write torch's CSV format, one row per rank")
+    add_output_argument(target, "json", "write pipetrain's JSON format")
     export.set_defaults(func=_export)
 
     validate = subparsers.add_parser(

@@ -7,50 +7,43 @@ import json
 import sys
 from typing import Any
 
-from pipetrain.cli.common import (
-    OUTPUT_NAMING,
-    add_size_arguments,
-    output_path,
-    require,
-    schedule_from_args,
-)
+from pipetrain.cli.arguments import add_output_argument, add_schedule_command
+from pipetrain.cli.common import OUTPUT_NAMING, add_size_arguments, output_path, require, schedule_from_args
 from pipetrain.plan.costs import Costs
 from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.generators import build_schedule, schedule_names
 from pipetrain.plan.schedule import Schedule, is_schedule_file
 from pipetrain.plan.simulate import SimResult, simulate
 
-_COSTS_HELP = (
-    "durations and latency, e.g. f=1,b=2,i=1,w=1,comm=0 (per-stage values with ':', e.g. f=2:1:1:2; "
-    "also overlap=0..1 for F&B pairs, bytes=... per activation)"
-)
+
+def _add_costs_argument(parser: argparse.ArgumentParser, meaning: str) -> None:
+    """``--costs SPEC``; ``meaning`` says what the numbers describe for this command."""
+    parser.add_argument(
+        "--costs",
+        default="",
+        metavar="SPEC",
+        help="durations and latency, e.g. f=1,b=2,i=1,w=1,comm=0 (per-stage values with ':', e.g. f=2:1:1:2; "
+        "also overlap=0..1 for F&B pairs, bytes=... per activation); " + meaning,
+    )
 
 
 def register(subparsers: Any) -> None:
-    names = ", ".join(schedule_names())
-    sim = subparsers.add_parser(
+    sim = add_schedule_command(
+        subparsers,
         "simulate",
         help="simulate a schedule: makespan, bubble, memory, timeline picture",
         description="Time a named schedule (or a .csv/.json file) with a cost model: step time (makespan), "
         "idle share (bubble) and peak activations per rank; optionally draw its timeline (--png/--svg, needs "
         "matplotlib) or write a Chrome trace.",
     )
-    sim.add_argument("schedule", help=f"schedule name ({names}) or a .csv/.json file")
-    add_size_arguments(sim, required=False)
-    sim.add_argument(
-        "--costs",
-        default="",
-        metavar="SPEC",
-        help=_COSTS_HELP + "; costs are per stage: every stage of this schedule takes them as given (compare "
-        "and plan read plain numbers as one rank's share instead, and print the per-stage costs to use here)",
+    _add_costs_argument(
+        sim,
+        "costs are per stage: every stage of this schedule takes them as given (compare and plan read plain "
+        "numbers as one rank's share instead, and print the per-stage costs to use here)",
     )
     sim.add_argument("--lowered", action="store_true", help="simulate the lowered schedule (with SEND/RECV)")
-    sim.add_argument(
-        "--png", metavar="FILE", help=f"write the timeline picture as PNG ({OUTPUT_NAMING.format(fmt='png')})"
-    )
-    sim.add_argument(
-        "--svg", metavar="FILE", help=f"write the timeline picture as SVG ({OUTPUT_NAMING.format(fmt='svg')})"
-    )
+    add_output_argument(sim, "png", "write the timeline picture as PNG")
+    add_output_argument(sim, "svg", "write the timeline picture as SVG")
     sim.add_argument(
         "--trace",
         metavar="FILE",
@@ -67,18 +60,12 @@ def register(subparsers: Any) -> None:
         "one table row each: makespan, bubble, ratio to 1F1B, peak activations, messages sent.",
     )
     add_size_arguments(cmp, required=True)
-    cmp.add_argument(
-        "--costs",
-        default="",
-        metavar="SPEC",
-        help=_COSTS_HELP + "; costs are for one rank's share of the model (a schedule with V stages "
-        "per rank gets costs/V per stage, so every row runs the same model)",
+    _add_costs_argument(
+        cmp,
+        "costs are for one rank's share of the model (a schedule with V stages per rank gets costs/V per stage, "
+        "so every row runs the same model)",
     )
-    cmp.add_argument(
-        "--png",
-        metavar="FILE",
-        help=f"write one PNG picture stacking every schedule's timeline ({OUTPUT_NAMING.format(fmt='png')})",
-    )
+    add_output_argument(cmp, "png", "write one PNG picture stacking every schedule's timeline")
     cmp.add_argument("--json", action="store_true", help="print the rows as JSON on stdout")
     cmp.set_defaults(func=_compare)
 
