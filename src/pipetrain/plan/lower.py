@@ -10,8 +10,8 @@ the unit-time run that also proves the schedule runs to the end.
 
 from __future__ import annotations
 
+from pipetrain.plan._graph import gc_paused
 from pipetrain.plan.errors import ScheduleError
-from pipetrain.plan.passes._graph import gc_paused
 from pipetrain.plan.passes._insert import refuse_lowered
 from pipetrain.plan.passes.communication import add_communication
 from pipetrain.plan.passes.early_recv import post_receives_early

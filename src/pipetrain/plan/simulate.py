@@ -32,27 +32,38 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, NamedTuple
 
+from pipetrain.plan._graph import gc_paused
 from pipetrain.plan._text import count
-from pipetrain.plan.actions import Action, ActionKind
+from pipetrain.plan.actions import Action
 from pipetrain.plan.costs import Costs
+from pipetrain.plan.dependencies import (
+    C_B,
+    C_F,
+    C_I,
+    C_OVERLAP,
+    C_RECV_B,
+    C_REDUCE,
+    C_RESHARD,
+    C_SEND_B,
+    C_SEND_F,
+    C_UNSHARD,
+    C_W,
+    CODE,
+    F_DONE,
+    NUM_KEY_BLOCKS,
+    RECEIVED,
+    SENT,
+    Dependencies,
+    Ids,
+    carried,
+    kind_code,
+)
 from pipetrain.plan.errors import ScheduleError
-from pipetrain.plan.passes._graph import gc_paused
 from pipetrain.plan.schedule import Schedule
 from pipetrain.plan.timeline import Timeline, TimelineEvent
 from pipetrain.plan.validate import check_structure, validate
 
 __all__ = ["SimResult", "simulate"]
-
-# Slots of the value table, one block of n_st*n_mb entries each, indexed by s*n_mb + m.
-_F_END = 0  # end of F(s,m): its output (and the loss on the last stage) is ready
-_G_END = 1  # end of B(s,m) or I(s,m): the input-gradient for stage s-1 is ready
-_I_END = 2  # end of I(s,m): W(s,m) may run
-_SEND_F = 3  # post of sSEND_Fm (forward output of stage s)
-_SEND_B = 4  # post of sSEND_Bm (input-gradient of stage s)
-_RECV_F = 5  # post of sRECV_Fm (forward input of stage s)
-_RECV_B = 6  # post of sRECV_Bm (gradient input of stage s)
-_NUM_SLOTS = 7
-_SLOT_NAMES = ("F", "B/I", "I", "SEND_F", "SEND_B", "RECV_F", "RECV_B")
 
 
 @dataclass
@@ -150,7 +161,7 @@ class SimResult:
         events = self._events
         if self._values is not None:
             n_mb, n_st = self.num_microbatches, self.num_stages
-            events = _with_delivery_times(events, self._values, n_st * n_mb, n_mb, n_st, self.costs.comm)
+            events = _with_delivery_times(events, self._values, n_mb, n_st, self.costs.comm)
         return sorted(events, key=lambda e: (e[0], e[2], e[3]))
 
     def summary(self) -> dict[str, Any]:
@@ -183,74 +194,24 @@ def _event(rank: int, action: Action, start: float, end: float) -> TimelineEvent
     return TimelineEvent(rank, str(action), action.kind.value, action.stage, action.microbatch, start, end)
 
 
-# Kind codes (looked up by the enum's value: hashing an Enum member runs Python code).
-_F, _B, _I, _W, _OVERLAP, _SF, _SB, _RF, _RB, _UNSHARD, _RESHARD, _REDUCE = range(12)
-_CODE = {
-    "F": _F,
-    "B": _B,
-    "I": _I,
-    "W": _W,
-    "OVERLAP_F_B": _OVERLAP,
-    "SEND_F": _SF,
-    "SEND_B": _SB,
-    "RECV_F": _RF,
-    "RECV_B": _RB,
-    "UNSHARD": _UNSHARD,
-    "RESHARD": _RESHARD,
-    "REDUCE_GRAD": _REDUCE,
-}
-
 Needs = tuple[tuple[int, float], ...]
 """(value-table key, latency added); for templates the key still lacks ``+ microbatch``."""
 
 
-def _code(action: Action) -> int:
-    return _CODE[action.kind._value_]
-
-
 class _Tables(NamedTuple):
-    """What each kind of action on each stage waits for and produces, with ``+ m`` left out."""
+    """The dependency core's rules with this cost model's latencies and durations."""
 
     needs: list[list[Needs]]  # [code][stage]
     makes: list[list[tuple[int, ...]]]  # [code][stage]
     duration: list[list[float]]  # [code][stage], rank time
 
 
-def _tables(n_st: int, n_mb: int, rank_of: list[int], lowered: bool, costs: Costs) -> _Tables:
-    n_cells = n_st * n_mb
-    comm = costs.comm
-
-    def input_need(consumer: int, producer: int, slot: int, msg_send: int, msg_recv: int) -> Needs:
-        if rank_of[producer] == rank_of[consumer]:
-            return ((slot * n_cells + producer * n_mb, 0.0),)
-        if lowered:
-            return ((msg_send * n_cells + producer * n_mb, comm), (msg_recv * n_cells + consumer * n_mb, 0.0))
-        return ((slot * n_cells + producer * n_mb, comm),)
-
-    needs: list[list[Needs]] = [[] for _ in range(_RB + 1)]
-    makes: list[list[tuple[int, ...]]] = [[] for _ in range(_RB + 1)]
-    for s in range(n_st):
-        base = s * n_mb
-        fwd_in = input_need(s, s - 1, _F_END, _SEND_F, _RECV_F) if s > 0 else ()
-        grad_in = input_need(s, s + 1, _G_END, _SEND_B, _RECV_B) if s < n_st - 1 else ()
-        own_f: Needs = ((_F_END * n_cells + base, 0.0),)
-        rows: list[tuple[Needs, tuple[int, ...]]] = [
-            (fwd_in, (_F_END * n_cells + base,)),  # F
-            (own_f + grad_in, (_G_END * n_cells + base,)),  # B
-            (own_f + grad_in, (_G_END * n_cells + base, _I_END * n_cells + base)),  # I
-            (((_I_END * n_cells + base, 0.0),), ()),  # W
-            ((), ()),  # OVERLAP_F_B: handled per action
-            (((_F_END * n_cells + base, 0.0),), (_SEND_F * n_cells + base,)),  # SEND_F
-            (((_G_END * n_cells + base, 0.0),), (_SEND_B * n_cells + base,)),  # SEND_B
-            ((), (_RECV_F * n_cells + base,)),  # RECV_F
-            ((), (_RECV_B * n_cells + base,)),  # RECV_B
-        ]
-        for code, (need, make) in enumerate(rows):
-            needs[code].append(need)
-            makes[code].append(make)
+def _tables(deps: Dependencies, costs: Costs) -> _Tables:
+    comm, n_st = costs.comm, deps.S
+    needs = [[tuple((key, comm if crosses else 0.0) for key, crosses in row) for row in rows] for rows in deps.needs]
     duration = [costs.per_stage(name, n_st) for name in ("f", "b", "i", "w")]
     duration += [[0.0] * n_st, [costs.send] * n_st, [costs.send] * n_st, [costs.recv] * n_st, [costs.recv] * n_st]
-    return _Tables(needs, makes, duration)
+    return _Tables(needs, deps.makes, duration)
 
 
 def _overlap_op(
@@ -261,7 +222,7 @@ def _overlap_op(
     makes: list[int] = []
     solo: list[float] = []
     for part in action.parts:
-        code, s, m = _code(part), part.stage, part.microbatch
+        code, s, m = kind_code(part.kind), part.stage, part.microbatch
         assert m is not None
         needs += [(key + m, lat) for key, lat in tables.needs[code][s] if key + m not in makes]
         makes += [key + m for key in tables.makes[code][s]]
@@ -300,7 +261,7 @@ def _simulate(schedule: Schedule, costs: Costs | None) -> SimResult:
     has_w = [False] * n_cells
     any_backward = False
     lowered = False
-    codes = _CODE
+    codes = CODE
     for program in programs:
         for a in program:
             if a is None:
@@ -308,34 +269,34 @@ def _simulate(schedule: Schedule, costs: Costs | None) -> SimResult:
             subs = a.sub_actions
             for part in (a,) if subs is None else subs:
                 code = codes[part.kind._value_]
-                if code == _W:
+                if code == C_W:
                     has_w[part.stage * n_mb + (part.microbatch or 0)] = True
                     any_backward = True
-                elif code == _B or code == _I:
+                elif code == C_B or code == C_I:
                     any_backward = True
-                elif _SF <= code <= _RB:
+                elif C_SEND_F <= code <= C_RECV_B:
                     lowered = True
-    tables = _tables(n_st, n_mb, rank_of, lowered, costs)
+    tables = _tables(Dependencies(n_st, n_mb, rank_of, lowered=lowered), costs)
     t_needs, t_makes, t_dur = tables
-    other_dur = {_UNSHARD: costs.unshard, _RESHARD: costs.reshard, _REDUCE: costs.reduce_grad}
+    other_dur = {C_UNSHARD: costs.unshard, C_RESHARD: costs.reshard, C_REDUCE: costs.reduce_grad}
     part_dur: list[list[float | None]] = [[None] * n_cells for _ in range(4)]
 
     def account(code: int, idx: int, d: float, start: float, end: float, eid: int) -> None:
         """Record a compute part's duration and its activation's alloc/free times (and event)."""
         part_dur[code][idx] = d
-        if code == _F:
+        if code == C_F:
             alloc_at[idx] = start
             alloc_ev[idx] = eid
             if not any_backward:
                 free_at[idx] = end
                 free_ev[idx] = eid
-        elif code == _W or (code == _B and not has_w[idx]):
+        elif code == C_W or (code == C_B and not has_w[idx]):
             free_at[idx] = end
             free_ev[idx] = eid
 
     # ---------------------------------------------------------------- run
-    value: list[float | None] = [None] * (_NUM_SLOTS * n_cells)
-    producer = [-1] * (_NUM_SLOTS * n_cells)
+    value: list[float | None] = [None] * (NUM_KEY_BLOCKS * n_cells)
+    producer = [-1] * (NUM_KEY_BLOCKS * n_cells)
     waiters: dict[int, list[int]] = {}
     pc = [0] * n_rk
     clock = [0.0] * n_rk
@@ -366,15 +327,15 @@ def _simulate(schedule: Schedule, costs: Costs | None) -> SimResult:
             if a is None:
                 k += 1
                 continue
-            code = _CODE[a.kind._value_]
+            code = CODE[a.kind._value_]
             s = a.stage
             m = a.microbatch
-            if code < _OVERLAP or _OVERLAP < code <= _RB:
+            if code < C_OVERLAP or C_OVERLAP < code <= C_RECV_B:
                 assert m is not None
                 needs = t_needs[code][s]
                 makes = t_makes[code][s]
                 d = t_dur[code][s]
-            elif code == _OVERLAP:
+            elif code == C_OVERLAP:
                 needs, makes, d, shares = _overlap_op(a, tables, n_mb, costs)
                 m = 0
             else:
@@ -404,28 +365,18 @@ def _simulate(schedule: Schedule, costs: Costs | None) -> SimResult:
                 producer[key + m] = eid
                 if key + m in waiters:
                     ready.extend(waiters.pop(key + m))
-            if code <= _OVERLAP:
+            if code <= C_OVERLAP:
                 busy[r] += d
                 if first_start[r] < 0:
                     first_start[r] = start
                 last_end[r] = end
-                if code == _OVERLAP:
+                if code == C_OVERLAP:
                     for part, share in zip(a.parts, shares, strict=True):
                         assert part.microbatch is not None
-                        account(_code(part), part.stage * n_mb + part.microbatch, share, start, end, eid)
+                        account(kind_code(part.kind), part.stage * n_mb + part.microbatch, share, start, end, eid)
                 else:
-                    idx = s * n_mb + m
-                    part_dur[code][idx] = d
-                    if code == _F:
-                        alloc_at[idx] = start
-                        alloc_ev[idx] = eid
-                        if not any_backward:
-                            free_at[idx] = end
-                            free_ev[idx] = eid
-                    elif code == _W or (code == _B and not has_w[idx]):
-                        free_at[idx] = end
-                        free_ev[idx] = eid
-            elif code == _SF or code == _SB:
+                    account(code, s * n_mb + m, d, start, end, eid)
+            elif code == C_SEND_F or code == C_SEND_B:
                 num_sends += 1
                 if end + comm > last_delivery:
                     last_delivery = end + comm
@@ -473,40 +424,21 @@ def _simulate(schedule: Schedule, costs: Costs | None) -> SimResult:
 def _with_delivery_times(
     events: list[tuple[int, Action, float, float, int]],
     value: list[float | None],
-    n_cells: int,
     n_mb: int,
     n_st: int,
     comm: float,
 ) -> list[tuple[int, Action, float, float, int]]:
     """SEND/RECV events last from their post until the message is usable on the receiver."""
+    n_cells = n_st * n_mb
     out: list[tuple[int, Action, float, float, int]] = []
     for rank, action, start, end, pred in events:
-        kind = action.kind
-        if kind.is_comm and action.microbatch is not None:
-            s, mb = action.stage, action.microbatch
-            if kind is ActionKind.SEND_F:
-                send, recv = (
-                    value[_SEND_F * n_cells + s * n_mb + mb],
-                    value[_RECV_F * n_cells + (s + 1) * n_mb + mb] if s + 1 < n_st else None,
-                )
-            elif kind is ActionKind.SEND_B:
-                send, recv = (
-                    value[_SEND_B * n_cells + s * n_mb + mb],
-                    value[_RECV_B * n_cells + (s - 1) * n_mb + mb] if s > 0 else None,
-                )
-            elif kind is ActionKind.RECV_F:
-                send, recv = (
-                    value[_SEND_F * n_cells + (s - 1) * n_mb + mb] if s > 0 else None,
-                    value[_RECV_F * n_cells + s * n_mb + mb],
-                )
-            else:
-                send, recv = (
-                    value[_SEND_B * n_cells + (s + 1) * n_mb + mb] if s + 1 < n_st else None,
-                    value[_RECV_B * n_cells + s * n_mb + mb],
-                )
-            if send is not None:
-                delivered = send + comm if recv is None else max(send + comm, recv)
-                end = max(end, delivered)
+        if action.kind.is_comm:
+            node = carried(action, n_st, n_mb)
+            if node >= 0:  # a message no stage makes has no delivery
+                send, recv = value[SENT * n_cells + node], value[RECEIVED * n_cells + node]
+                if send is not None:
+                    delivered = send + comm if recv is None else max(send + comm, recv)
+                    end = max(end, delivered)
         out.append((rank, action, start, end, pred))
     return out
 
@@ -531,7 +463,7 @@ def _memory(
     free_at, free_ev = free
     per_rank: list[list[tuple[float, int, int, int]]] = [[] for _ in range(n_rk)]
     for idx in range(n_cells):
-        if value[_F_END * n_cells + idx] is None:
+        if value[F_DONE * n_cells + idx] is None:
             continue  # never computed
         s = idx // n_mb
         r = rank_of[s]
@@ -655,20 +587,23 @@ def _lower_bound(
 def _deadlock_message(
     schedule: Schedule, pc: list[int], waiting_on: dict[int, int], stuck: list[int], n_cells: int, n_mb: int
 ) -> str:
+    ids = Ids(schedule.num_stages, n_mb)
     lines = []
     for r in stuck:
         action = schedule.actions[r][pc[r]]
         key = waiting_on.get(r)
         if key is None:
             what = "an input"
+        elif key < SENT * n_cells:
+            node = ids.node_action(key)
+            what = f"{node} (on rank {schedule.stage_to_rank.get(node.stage)})"
         else:
-            slot, idx = divmod(key, n_cells)
-            s, m = divmod(idx, n_mb)
-            if slot in (_SEND_F, _SEND_B):
-                what = f"message {s}{_SLOT_NAMES[slot]}{m} from rank {schedule.stage_to_rank.get(s)}"
-            elif slot in (_RECV_F, _RECV_B):
-                what = f"{s}{_SLOT_NAMES[slot]}{m} to be posted first on its own rank"
-            else:
-                what = f"{_SLOT_NAMES[slot]} of stage {s} microbatch {m} (on rank {schedule.stage_to_rank.get(s)})"
+            block = key // n_cells
+            send, recv = ids.message_actions(key - (SENT if block < RECEIVED else RECEIVED) * n_cells)
+            what = (
+                f"message {send} from rank {schedule.stage_to_rank.get(send.stage)}"
+                if block < RECEIVED
+                else f"its {recv}"
+            )
         lines.append(f"rank {r} at step {pc[r]} ({action}) waits for {what}")
     return "deadlock: no rank can proceed; " + "; ".join(lines)

@@ -17,9 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NoReturn
 
-from pipetrain.plan.actions import Action
-from pipetrain.plan.errors import ScheduleError
-from pipetrain.plan.passes._graph import (
+from pipetrain.plan._graph import (
     OVERLAP,
     RECV_B,
     RECV_F,
@@ -31,14 +29,27 @@ from pipetrain.plan.passes._graph import (
     B,
     F,
     I,
-    Ids,
     W,
-    cross_rank_flags,
     gc_paused,
 )
+from pipetrain.plan.actions import Action
+from pipetrain.plan.dependencies import (
+    C_OVERLAP,
+    CODE,
+    RECEIVED,
+    SENT,
+    Dependencies,
+    Ids,
+    consumer,
+    cross_rank_flags,
+    route,
+)
+from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.schedule import Schedule, first_naming
 
 __all__ = ["validate"]
+
+MATCHING = ("nccl", "gloo")
 
 _COMPLETENESS = "every (stage, microbatch) needs one F and either one B or one I and one W"
 _X_B, _X_I = 1, 2  # x_kind codes (0: no B or I seen yet)
@@ -66,10 +77,18 @@ class _Index:
     lowered_actions: int = 0  # SEND/RECV, UNSHARD/RESHARD and REDUCE_GRAD seen
 
 
-def validate(schedule: Schedule) -> None:
-    """Raise :class:`ScheduleError` if ``schedule`` breaks a rule of docs/semantics.md."""
+def validate(schedule: Schedule, *, matching: str = "nccl") -> None:
+    """Raise :class:`ScheduleError` if ``schedule`` breaks a rule of docs/semantics.md.
+
+    ``matching`` is the backend's model for a lowered schedule's SEND/RECV (docs/semantics.md,
+    "Matching"): ``"nccl"`` (the default and the strict one) pairs a rank pair's operations in
+    posting order and runs a rank's groups one after another; ``"gloo"`` pairs them per peer in
+    order too, but each operation progresses on its own, which is what early receives need.
+    """
+    if matching not in MATCHING:
+        raise ScheduleError(f"matching must be one of {', '.join(map(repr, MATCHING))}, not {matching!r}")
     with gc_paused():
-        _validate(schedule)
+        _validate(schedule, strict=matching == "nccl")
 
 
 def check_structure(schedule: Schedule) -> int:
@@ -91,12 +110,12 @@ def _structure(schedule: Schedule) -> _Index:
     return index
 
 
-def _validate(schedule: Schedule) -> None:
+def _validate(schedule: Schedule, *, strict: bool = True) -> None:
     index = _structure(schedule)
     comm = _CommPlan(index) if index.comm_rank else None
     if index.reduce:
         _check_reduce_grad(index)
-    _execute(index, comm)
+    _execute(index, comm, strict)
 
 
 # --------------------------------------------------------------------------- structure
@@ -329,21 +348,13 @@ class _CommPlan:
         )
         gid = -1
         has_backward = index.has_backward
-        msg_base = 3 * SM
+        msg_base = RECEIVED * SM
         last_rank, last_step = -1, -2
         current: list[int] = []
         for op, (rank, step, action) in enumerate(zip(self.op_rank, self.op_step, self.op_action, strict=True)):
-            kind, s, m = action.kind, action.stage, action.microbatch
-            assert m is not None
             # msg: the producer's F or X node id, which is also the message id.
-            if kind is SEND_F:
-                src, dst, msg, is_send = s, s + 1, s * M + m, True
-            elif kind is RECV_F:
-                src, dst, msg, is_send = s - 1, s, (s - 1) * M + m, False
-            elif kind is SEND_B:
-                src, dst, msg, is_send = s, s - 1, SM + s * M + m, True
-            else:
-                src, dst, msg, is_send = s + 1, s, SM + (s + 1) * M + m, False
+            msg, src, dst = route(action, S, M)
+            is_send = action.kind is SEND_F or action.kind is SEND_B
             if dst < 0 or dst >= S or src < 0 or src >= S or (msg >= SM and not has_backward):
                 _endpoint_error(index, rank, step, action)
             if rank_of[src] == rank_of[dst]:
@@ -357,9 +368,9 @@ class _CommPlan:
                 send_op[msg] = op
                 sends.setdefault(rank * R + rank_of[dst], []).append(op)
             else:
-                consumer = msg + M if msg < SM else msg - M
-                if recv_op[msg] >= 0 or node_step[consumer] < step:
-                    _order_error(index, rank, step, action, recv_op[msg], consumer, self.op_step)
+                user = consumer(msg, S, M)
+                if recv_op[msg] >= 0 or node_step[user] < step:
+                    _order_error(index, rank, step, action, recv_op[msg], user, self.op_step)
                 recv_op[msg] = op
                 recvs.setdefault(rank_of[src] * R + rank, []).append(op)
                 token[op] = msg_base + msg
@@ -397,9 +408,9 @@ class _CommPlan:
                             f"{recv.stage} on rank {rank_of[recv.stage]}, but no {send} follows it"
                         )
                     if recv_op[msg] < 0:
-                        consumer = msg - M if grad else msg + M
+                        user = consumer(msg, S, M)
                         raise ScheduleError(
-                            f"{_where(rank_of[recv.stage], node_step[consumer], _node_name(index, consumer))}: needs "
+                            f"{_where(rank_of[recv.stage], node_step[user], _node_name(index, user))}: needs "
                             f"{producer_name(send)} from rank {rank_of[s]}, but no {recv} comes before it (the {send} at "
                             f"step {self.op_step[send_op[msg]]} on rank {rank_of[s]} has no matching RECV)"
                         )
@@ -492,28 +503,30 @@ def _check_reduce_grad(index: _Index) -> None:
 
 
 # ----------------------------------------------------------- abstract execution
-def _execute(index: _Index, comm: _CommPlan | None) -> None:
+def _execute(index: _Index, comm: _CommPlan | None, strict: bool = True) -> None:
     """Run every rank's program abstractly; raise naming each stuck rank if some never finish.
 
-    Tokens: compute nodes (done when the part ran) and, on lowered schedules, messages at
-    ``3SM + msg`` (done when the RECV carrying it completed). A cross-rank dependency waits on the
-    message token when the schedule is lowered, on the producer's node otherwise.
+    Tokens are the dependency core's keys: compute products (done when the part ran) and, on
+    lowered schedules, messages (SENT and RECEIVED, both done when the RECV carrying it completed).
+    What an action waits for is the core's rule. ``strict``: a rank's communication groups run
+    one after another (NCCL); otherwise every posted operation progresses on its own (gloo).
     """
     schedule = index.schedule
     ids, rank_of = index.ids, index.rank_of
-    S, M, SM = ids.S, ids.M, ids.SM
+    M, SM = ids.M, ids.SM
     R = schedule.num_ranks
     programs = [schedule.actions[r] for r in range(R)]
     lowered = comm is not None
-    prev_cross, next_cross = cross_rank_flags(rank_of)
-    if not lowered:
-        prev_cross = next_cross = [False] * S
-    msg_base = 3 * SM
-    done = bytearray(5 * SM)
+    deps = Dependencies(ids.S, M, rank_of, lowered=lowered)
+    need_keys, make_key = deps.need_keys, deps.make_key
+    sent_base = SENT * SM
+    delivered_to_sent = (RECEIVED - SENT) * SM
+    done = bytearray(deps.num_keys)
     waiting: dict[int, list[int]] = {}
     blocked = [-1] * R
     pc = [0] * R
     queue = list(range(R))
+    codes = CODE
 
     # Communication state (lowered schedules only).
     issued = [0] * R
@@ -528,7 +541,7 @@ def _execute(index: _Index, comm: _CommPlan | None) -> None:
         remaining, started = [], bytearray()
 
     def start_groups(rank: int) -> None:
-        """Start this rank's issued groups in order while the one before has ended."""
+        """Start this rank's issued groups in order (strict: while the one before has ended)."""
         groups = rank_groups[rank]
         h = head[rank]
         while h < issued[rank]:
@@ -543,14 +556,15 @@ def _execute(index: _Index, comm: _CommPlan | None) -> None:
                         remaining[g] -= 1
                         remaining[og] -= 1
                         t = token[op] if token[op] >= 0 else token[other]
-                        done[t] = 1
+                        done[t] = done[t - delivered_to_sent] = 1
                         if waiting:
-                            woken = waiting.pop(t, None)
-                            if woken:
-                                queue.extend(woken)
+                            for key in (t, t - delivered_to_sent):
+                                woken = waiting.pop(key, None)
+                                if woken:
+                                    queue.extend(woken)
                         if not remaining[og]:
                             queue.append(group_rank[og])
-            if remaining[g]:
+            if remaining[g] and strict:
                 break
             h += 1
         head[rank] = h
@@ -573,60 +587,39 @@ def _execute(index: _Index, comm: _CommPlan | None) -> None:
             if a is None:
                 i += 1
                 continue
-            k = a.kind
-            if k is F:
-                s = a.stage
-                sm = s * M + a.microbatch  # type: ignore[operator]
-                if s:
-                    t = msg_base + sm - M if prev_cross[s] else sm - M
-                    if not done[t]:
-                        if t < msg_base and rank_of[s - 1] == r:
-                            raise same_rank_later(r, i, a, t)
-                        if blocked[r] != t:
-                            blocked[r] = t
-                            waiting.setdefault(t, []).append(r)
+            code = codes[a.kind._value_]
+            if code < C_OVERLAP:
+                s, m = a.stage, a.microbatch
+                t = -1
+                for key in need_keys[code][s]:
+                    if not done[key + m]:  # type: ignore[operator]
+                        t = key + m  # type: ignore[operator]
                         break
-                done[sm] = 1
+                if t >= 0:
+                    if t < sent_base and rank_of[(t % SM) // M] == r:
+                        raise same_rank_later(r, i, a, t)
+                    if blocked[r] != t:
+                        blocked[r] = t
+                        waiting.setdefault(t, []).append(r)
+                    break
+                node = make_key[code][s] + m  # type: ignore[operator]
+                done[node] = 1
                 if waiting:
-                    woken = waiting.pop(sm, None)
+                    woken = waiting.pop(node, None)
                     if woken:
                         queue.extend(woken)
-            elif k is I or k is B:
-                s = a.stage
-                sm = s * M + a.microbatch  # type: ignore[operator]
-                if not done[sm]:
-                    raise same_rank_later(r, i, a, sm)
-                if s < S - 1:
-                    t = msg_base + SM + sm + M if next_cross[s] else SM + sm + M
-                    if not done[t]:
-                        if t < msg_base and rank_of[s + 1] == r:
-                            raise same_rank_later(r, i, a, t)
-                        if blocked[r] != t:
-                            blocked[r] = t
-                            waiting.setdefault(t, []).append(r)
-                        break
-                done[SM + sm] = 1
-                if waiting:
-                    woken = waiting.pop(SM + sm, None)
-                    if woken:
-                        queue.extend(woken)
-            elif k is W:
-                sm = a.stage * M + a.microbatch  # type: ignore[operator]
-                if not done[SM + sm]:
-                    raise same_rank_later(r, i, a, SM + sm)
-                done[2 * SM + sm] = 1
-            elif k is OVERLAP:
-                t = _run_overlap(index, a, r, i, done, prev_cross, next_cross, same_rank_later)
+            elif code == C_OVERLAP:
+                t, made = _run_overlap(index, deps, a, r, i, done, same_rank_later)
                 if t >= 0:
                     if blocked[r] != t:
                         blocked[r] = t
                         waiting.setdefault(t, []).append(r)
                     break
-                for node in _overlap_nodes(a, M, SM):
+                for node in made:
                     woken = waiting.pop(node, None)
                     if woken:
                         queue.extend(woken)
-            elif k is SEND_F or k is RECV_F or k is SEND_B or k is RECV_B:
+            elif a.kind.is_comm:
                 assert comm is not None
                 g = rank_groups[r][issued[r]]
                 issued[r] += 1
@@ -645,51 +638,28 @@ def _execute(index: _Index, comm: _CommPlan | None) -> None:
         raise ScheduleError(f"{where}: deadlock: {why}{others}{more}")
 
 
-def _overlap_nodes(action: Action, M: int, SM: int) -> list[int]:
-    out = []
-    for part in action.parts:
-        sm = part.stage * M + part.microbatch  # type: ignore[operator]
-        out.append(sm if part.kind is F else (2 * SM + sm if part.kind is W else SM + sm))
-    return out
-
-
 def _run_overlap(
     index: _Index,
+    deps: Dependencies,
     action: Action,
     rank: int,
     step: int,
     done: bytearray,
-    prev_cross: list[bool],
-    next_cross: list[bool],
     later: Callable[[int, int, Action, int], ScheduleError],
-) -> int:
-    """Run an OVERLAP_F_B if every part's inputs are there (earlier parts count); else the token it waits on."""
-    ids, rank_of = index.ids, index.rank_of
-    S, M, SM = ids.S, ids.M, ids.SM
-    msg_base = 3 * SM
-    own = set(_overlap_nodes(action, M, SM))
-    needs: list[int] = []
-    for part in action.parts:
-        s = part.stage
-        sm = s * M + part.microbatch  # type: ignore[operator]
-        if part.kind is F:
-            if s:
-                needs.append(msg_base + sm - M if prev_cross[s] else sm - M)
-        elif part.kind is W:
-            needs.append(SM + sm)
-        else:
-            needs.append(sm)
-            if s < S - 1:
-                needs.append(msg_base + SM + sm + M if next_cross[s] else SM + sm + M)
-    pending = [t for t in needs if not done[t] and t not in own]
+) -> tuple[int, list[int]]:
+    """Run an OVERLAP_F_B if every part's inputs are there (earlier parts count): (-1, the keys
+    it made); else (the key it waits on, [])."""
+    M, SM = index.ids.M, index.ids.SM
+    own = [deps.part_makes(part)[0] for part in action.parts]
+    pending = [t for part in action.parts for t in deps.part_needs(part) if not done[t] and t not in own]
     for t in pending:
-        if t < msg_base and rank_of[(t % SM) // M] == rank:
+        if t < SENT * SM and index.rank_of[(t % SM) // M] == rank:
             raise later(rank, step, action, t)
     if pending:
-        return pending[0]
+        return pending[0], []
     for node in own:
         done[node] = 1
-    return -1
+    return -1, own
 
 
 def _node_name(index: _Index, node: int) -> str:
@@ -708,14 +678,14 @@ def _stuck_reason(
     SM = index.ids.SM
     if pc[rank] < len(program):
         here = _where(rank, pc[rank], program[pc[rank]])
-        if token < 3 * SM:
+        if token < SENT * SM:
             who = index.rank_of[(token % SM) // index.ids.M]
             return (
                 here,
                 f"waits for {_node_name(index, token)} (rank {who}, step {index.node_step[token]}), which never runs",
             )
         assert comm is not None
-        msg = token - 3 * SM
+        msg = token - (SENT if token < RECEIVED * SM else RECEIVED) * SM
         op = next(o for o in range(len(comm.op_msg)) if comm.op_msg[o] == msg and comm.token[o] >= 0)
         why = _op_reason(index, comm, op, pc, head, started)
         return here, f"waits for its {comm.op_action[op]} (step {comm.op_step[op]}), which {why}"

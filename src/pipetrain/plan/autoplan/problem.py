@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from pipetrain.plan.actions import Action, ActionKind
 from pipetrain.plan.costs import Costs
+from pipetrain.plan.dependencies import C_B, C_F, C_I, C_W, Dependencies
 from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.schedule import Schedule
 
@@ -127,7 +128,7 @@ class Problem:
         """A compute-only Schedule running ``orders``, laid out on steps so that every action sits
         right of what it waits for (the rank's previous action and its inputs)."""
         t = self.tables
-        step_of = [-1] * (2 * self.num_stages * self.num_microbatches)
+        step_of = [-1] * t.num_slots
         pointers = [0] * self.num_ranks
         next_step = [0] * self.num_ranks
         grid: dict[int, list[Action | None]] = {r: [] for r in range(self.num_ranks)}
@@ -293,45 +294,21 @@ class Problem:
 
 
 class _Tables:
-    """Per-code dependency slots, latencies, durations, outputs and memory deltas."""
+    """Per-code dependency slots, latencies, durations, outputs and memory deltas, from the
+    dependency core (:mod:`pipetrain.plan.dependencies`) with this problem's costs."""
 
     __slots__ = ("delta", "dep1", "dep2", "dur", "lat1", "lat2", "num_slots", "out", "rank")
 
     def __init__(self, p: Problem) -> None:
         n_st, n_mb = p.num_stages, p.num_microbatches
-        sm = n_st * n_mb
-        size = 4 * sm
-        self.num_slots = 2 * sm
-        self.dep1 = [-1] * size
-        self.dep2 = [-1] * size
-        self.lat1 = [0.0] * size
-        self.lat2 = [0.0] * size
-        self.dur = [0.0] * size
-        self.out = [-1] * size
-        self.rank = [0] * size
-        self.delta = [0.0] * size
-        rank_of = p.stage_to_rank
-        for s in range(n_st):
-            r = rank_of[s]
-            before = p.comm if s > 0 and rank_of[s - 1] != r else 0.0
-            after = p.comm if s < n_st - 1 and rank_of[s + 1] != r else 0.0
-            for m in range(n_mb):
-                pair = s * n_mb + m
-                f, i, w, b = pair, sm + pair, 2 * sm + pair, 3 * sm + pair
-                for c in (f, i, w, b):
-                    self.rank[c] = r
-                if s > 0:
-                    self.dep1[f], self.lat1[f] = pair - n_mb, before
-                self.out[f] = pair
-                self.dur[f] = p.f[s]
-                self.delta[f] = p.weight[s]
-                for c, duration in ((i, p.i[s]), (b, p.b[s])):
-                    self.dep1[c] = pair
-                    if s < n_st - 1:
-                        self.dep2[c], self.lat2[c] = sm + pair + n_mb, after
-                    self.out[c] = sm + pair
-                    self.dur[c] = duration
-                self.delta[b] = -p.weight[s]
-                self.dep1[w] = sm + pair
-                self.dur[w] = p.w[s]
-                self.delta[w] = -p.weight[s]
+        deps = Dependencies(n_st, n_mb, p.stage_to_rank, lowered=False)
+        self.dep1, self.dep2, cross1, cross2, self.out = deps.flat((C_F, C_I, C_W, C_B))
+        self.lat1 = [p.comm if c else 0.0 for c in cross1]
+        self.lat2 = [p.comm if c else 0.0 for c in cross2]
+        self.num_slots = 3 * n_st * n_mb  # the F, X and W products
+        self.dur, self.rank, self.delta = [], [], []
+        for durations, sign in ((p.f, 1.0), (p.i, 0.0), (p.w, -1.0), (p.b, -1.0)):
+            for s in range(n_st):
+                self.dur += [durations[s]] * n_mb
+                self.rank += [p.stage_to_rank[s]] * n_mb
+                self.delta += [sign * p.weight[s]] * n_mb

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pipetrain.plan._graph import gc_paused
 from pipetrain.plan.errors import ScheduleError
-from pipetrain.plan.passes._graph import gc_paused
 from pipetrain.plan.schedule import Schedule
 
 Builder = Callable[[int, int, int | None], Schedule]

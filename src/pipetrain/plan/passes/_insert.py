@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pipetrain.plan._graph import OVERLAP, B, F, I, W
 from pipetrain.plan.actions import Action, ActionKind
 from pipetrain.plan.errors import ScheduleError
-from pipetrain.plan.passes._graph import OVERLAP, B, F, I, W
 from pipetrain.plan.schedule import Schedule
 
 

@@ -18,27 +18,9 @@ from __future__ import annotations
 from typing import NamedTuple, NoReturn
 
 from pipetrain.plan.actions import Action
+from pipetrain.plan.dependencies import C_I, C_OVERLAP, C_W, CODE, Dependencies
 from pipetrain.plan.errors import ScheduleError
-from pipetrain.plan.passes._graph import OVERLAP, B, F, I, Ids, W, cross_rank_flags
 from pipetrain.plan.schedule import Schedule
-
-
-def part_node(part: Action, ids: Ids) -> int:
-    sm = part.stage * ids.M + part.microbatch  # type: ignore[operator]
-    kind = part.kind
-    return sm if kind is F else (2 * ids.SM + sm if kind is W else ids.SM + sm)
-
-
-def part_needs(part: Action, ids: Ids) -> list[int]:
-    """Nodes ``part`` depends on (docs/semantics.md, Dependencies)."""
-    s, M, SM = part.stage, ids.M, ids.SM
-    sm = s * M + part.microbatch  # type: ignore[operator]
-    kind = part.kind
-    if kind is F:
-        return [sm - M] if s else []
-    if kind is W:
-        return [SM + sm]
-    return [sm, SM + sm + M] if s < ids.S - 1 else [sm]
 
 
 class UnitRun(NamedTuple):
@@ -67,11 +49,12 @@ def unit_time_run(schedule: Schedule) -> UnitRun:
     Raises :class:`ScheduleError` (from :func:`~pipetrain.plan.validate.validate`) when the
     compute schedule breaks a rule or cannot run to the end.
     """
-    ids = Ids(schedule.num_stages, schedule.num_microbatches)
-    M, SM, S = ids.M, ids.SM, ids.S
+    M, S = schedule.num_microbatches, schedule.num_stages
+    SM = S * M
     R = schedule.num_ranks
     rank_of = [schedule.stage_to_rank.get(s, -1) for s in range(S)]
-    prev_cross, next_cross = cross_rank_flags(rank_of)
+    deps = Dependencies(S, M, rank_of, lowered=False)
+    need_keys, make_key, sends_of = deps.need_keys, deps.make_key, deps.sends
     is_i = bytearray(SM)  # which backwards are split (I, to be followed by a W)
     overlap_extra = 0  # parts of OVERLAP_F_B actions beyond the first, for the duplicate count
     lowered = 0
@@ -82,13 +65,7 @@ def unit_time_run(schedule: Schedule) -> UnitRun:
     free = [0] * R
     pc = [0] * R
     waiting: list[list[int] | None] = [None] * (3 * SM)  # ranks blocked on each node
-
-    def block(node: int, rank: int) -> None:
-        ranks = waiting[node]
-        if ranks is None:
-            waiting[node] = [rank]
-        else:
-            ranks.append(rank)
+    codes = CODE
 
     queue = list(range(R))
     try:
@@ -104,120 +81,58 @@ def unit_time_run(schedule: Schedule) -> UnitRun:
                 if a is None:
                     i += 1
                     continue
-                k = a.kind
-                s = a.stage
-                m = a.microbatch
-                if k is F:
-                    node = s * M + m  # type: ignore[operator]
-                    if s:
-                        e = end[node - M]
-                        if e < 0:
-                            block(node - M, r)
-                            break
-                        if e > t0:
-                            t0 = e
-                    sends = next_cross[s]
-                elif k is I or k is B:
-                    sm = s * M + m  # type: ignore[operator]
-                    node = SM + sm
-                    e = end[sm]
-                    if e < 0:
-                        block(sm, r)
-                        break
-                    if e > t0:
-                        t0 = e
-                    if s < S - 1:
-                        e = end[node + M]
-                        if e < 0:
-                            block(node + M, r)
-                            break
-                        if e > t0:
-                            t0 = e
-                    sends = prev_cross[s]
-                    if k is I:
-                        is_i[sm] = 1
-                elif k is W:
-                    sm = s * M + m  # type: ignore[operator]
-                    node = 2 * SM + sm
-                    e = end[SM + sm]
-                    if e < 0:
-                        block(SM + sm, r)
-                        break
-                    if not is_i[sm]:  # a W needs an I, never a full B
-                        raise _BreachError
-                    if e > t0:
-                        t0 = e
-                    sends = False
-                elif k is OVERLAP:
-                    parts = a.parts
-                    for p in parts:
-                        if rank_of[p.stage] != r or p.microbatch >= M:  # type: ignore[operator]
-                            raise _BreachError
-                    own = {part_node(p, ids) for p in parts}
-                    missing = -1
-                    for p in parts:
-                        for need in part_needs(p, ids):
-                            if need in own:
-                                continue
-                            e = end[need]
-                            if e < 0:
-                                missing = need
-                                break
-                            if e > t0:
-                                t0 = e
-                        if missing >= 0:
-                            break
-                    if missing >= 0:
-                        block(missing, r)
-                        break
-                    for p in parts:
-                        if p.kind is I:
-                            is_i[p.stage * M + p.microbatch] = 1  # type: ignore[operator]
-                        elif p.kind is W and not is_i[p.stage * M + p.microbatch]:  # type: ignore[operator]
-                            raise _BreachError
-                    overlap_extra += len(parts) - 1
-                    row.append(t0)
-                    while len(by_time) <= t0:
-                        by_time.append([])
-                    by_time[t0].extend(
-                        [
-                            p
-                            for p in parts
-                            if (next_cross[p.stage] if p.kind is F else p.kind is not W and prev_cross[p.stage])
-                        ]
-                    )
-                    t0 += 1
-                    for node in own:
-                        end[node] = t0
-                        woken = waiting[node]
-                        if woken is not None:
-                            waiting[node] = None
-                            queue.extend(woken)
-                    i += 1
-                    continue
-                else:
+                code = codes[a.kind._value_]
+                if code > C_OVERLAP:
                     lowered += 1
                     i += 1
                     continue
-                # Placement and range are checked once the action can run: one that breaks them and
-                # blocks instead (on a node its wrong indices name) leaves the run stuck, and either
-                # way validate() names it.
-                if rank_of[s] != r or m >= M:  # type: ignore[operator]
-                    raise _BreachError
-                row.append(t0)
-                if sends:
-                    if t0 < len(by_time):
-                        by_time[t0].append(a)
+                if code == C_OVERLAP:
+                    parts = a.parts
+                    missing, t0 = _overlap_ready(parts, deps, end, t0)
+                else:
+                    parts = (a,)
+                    m = a.microbatch
+                    missing = -1
+                    for key in need_keys[code][a.stage]:
+                        e = end[key + m]  # type: ignore[operator]
+                        if e < 0:
+                            missing = key + m  # type: ignore[operator]
+                            break
+                        if e > t0:
+                            t0 = e
+                if missing >= 0:
+                    ranks = waiting[missing]
+                    if ranks is None:
+                        waiting[missing] = [r]
                     else:
-                        while len(by_time) < t0:
+                        ranks.append(r)
+                    break
+                # Placement, range and the W-after-I rule are checked once the action can run: one
+                # that breaks them and blocks instead (on a node its wrong indices name) leaves the
+                # run stuck, and either way validate() names it.
+                row.append(t0)
+                t1 = t0 + 1
+                for p in parts:
+                    pcode = codes[p.kind._value_]
+                    s, m = p.stage, p.microbatch
+                    if rank_of[s] != r or m >= M:  # type: ignore[operator]
+                        raise _BreachError
+                    if pcode == C_I:
+                        is_i[s * M + m] = 1  # type: ignore[operator]
+                    elif pcode == C_W and not is_i[s * M + m]:  # type: ignore[operator]
+                        raise _BreachError  # a W needs an I, never a full B
+                    if sends_of[pcode][s]:
+                        while len(by_time) <= t0:
                             by_time.append([])
-                        by_time.append([a])
-                t0 += 1
-                end[node] = t0
-                woken = waiting[node]
-                if woken is not None:
-                    waiting[node] = None
-                    queue.extend(woken)
+                        by_time[t0].append(p)
+                    node = make_key[pcode][s] + m  # type: ignore[operator]
+                    end[node] = t1
+                    woken = waiting[node]
+                    if woken is not None:
+                        waiting[node] = None
+                        queue.extend(woken)
+                overlap_extra += len(parts) - 1
+                t0 = t1
                 i += 1
             pc[r] = i
             free[r] = t0
@@ -233,6 +148,22 @@ def unit_time_run(schedule: Schedule) -> UnitRun:
     if ran > SM and (-1 in end[SM : 2 * SM] or SM - end[2 * SM :].count(-1) != sum(is_i)):
         _fail(schedule, "the compute schedule is incomplete")
     return UnitRun(starts, by_time, max(free, default=0), lowered)
+
+
+def _overlap_ready(parts: tuple[Action, ...], deps: Dependencies, end: list[int], t0: int) -> tuple[int, int]:
+    """(-1, start) if every part of an OVERLAP_F_B has its inputs (its own earlier parts count),
+    else (a key it waits for, t0)."""
+    own = [deps.part_makes(p)[0] for p in parts]
+    for p in parts:
+        for key in deps.part_needs(p):
+            e = end[key]
+            if e < 0:
+                if key in own:
+                    continue
+                return key, t0
+            if e > t0:
+                t0 = e
+    return -1, t0
 
 
 def _fail(schedule: Schedule, what: str) -> NoReturn:

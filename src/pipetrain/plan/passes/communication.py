@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from itertools import accumulate
 
+from pipetrain.plan._graph import OVERLAP, RECV_B, RECV_F, SEND_B, SEND_F, B, F, I, W
 from pipetrain.plan.actions import Action, new_action
-from pipetrain.plan.passes._graph import OVERLAP, RECV_B, RECV_F, SEND_B, SEND_F, B, F, I, W
 from pipetrain.plan.passes._insert import refuse_existing
 from pipetrain.plan.passes._timing import UnitRun, unit_time_run
 from pipetrain.plan.schedule import Schedule

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pipetrain.plan._graph import RECV_B, RECV_F, REDUCE_GRAD, SEND_B, SEND_F, B, W
 from pipetrain.plan.actions import Action, make_action
 from pipetrain.plan.errors import ScheduleError
-from pipetrain.plan.passes._graph import RECV_B, RECV_F, REDUCE_GRAD, SEND_B, SEND_F, B, W
 from pipetrain.plan.passes._insert import compute_actions, insert_around_compute, refuse_existing
 from pipetrain.plan.schedule import Schedule
 

@@ -6,8 +6,8 @@ B produces what I produced, where I was, so every dependency stays met.
 
 from __future__ import annotations
 
+from pipetrain.plan._graph import B, I, W
 from pipetrain.plan.actions import Action, make_action
-from pipetrain.plan.passes._graph import B, I, W
 from pipetrain.plan.schedule import Schedule
 
 
