@@ -28,9 +28,11 @@ critical path) before an F before a W (slack), the stage nearer the loss first. 
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 from pipetrain.plan.actions import Action
+from pipetrain.plan.dependencies import C_F, C_I, Dependencies
 from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.generators._common import F, I, Program, W, make_schedule, require, v_placement
 from pipetrain.plan.generators._registry import generator
@@ -104,10 +106,12 @@ def _list_schedule(num_ranks: int, num_microbatches: int) -> dict[int, Program]:
     w_order: list[deque[int]] = [deque() for _ in range(p)]  # chunks, in the order their I ran
     cap = [min(2 * m, m + 1 + r) for r in range(p)]  # no more than the trimmed pattern holds
     held = [0] * p
-    ends: dict[tuple[str, int, int], int] = {}  # ("F" or "I", stage, mb) -> step it ends
+    placement = v_placement(p)
+    deps = Dependencies(last + 1, m, [placement[s] for s in range(last + 1)], lowered=False)
+    ends = [math.inf] * deps.SM * 3  # the step each product is ready
 
-    def done(kind: str, stage: int, mb: int, t: int) -> bool:
-        return ends.get((kind, stage, mb), t + 1) <= t
+    def ready(code: int, s: int, mb: int, t: int) -> bool:
+        return all(ends[key + mb] <= t for key in deps.need_keys[code][s])
 
     def pick(r: int, t: int) -> tuple[int, int] | None:
         """(0 for I or 1 for F, chunk) of the best action rank r can start at step t."""
@@ -115,10 +119,10 @@ def _list_schedule(num_ranks: int, num_microbatches: int) -> dict[int, Program]:
         options: list[tuple[int, int, int]] = []
         for chunk, s in enumerate(st.stages):
             mb = st.next_i[chunk]
-            if mb < m and done("F", s, mb, t) and (s == last or done("I", s + 1, mb, t)):
+            if mb < m and ready(C_I, s, mb, t):
                 options.append((0, -s, chunk))
             mb = st.next_f[chunk]
-            if mb < m and held[r] < cap[r] and (s == 0 or done("F", s - 1, mb, t)):
+            if mb < m and held[r] < cap[r] and ready(C_F, s, mb, t):
                 options.append((1, -s, chunk))
         if not options:
             return None
@@ -137,11 +141,11 @@ def _list_schedule(num_ranks: int, num_microbatches: int) -> dict[int, Program]:
                 st.w(w_order[r].popleft())
                 held[r] -= 1
             elif choice[0] == 0:
-                ends[("I", st.stages[choice[1]], st.next_i[choice[1]])] = t + 1
+                ends[deps.make_key[C_I][st.stages[choice[1]]] + st.next_i[choice[1]]] = t + 1
                 st.i(choice[1])
                 w_order[r].append(choice[1])
             else:
-                ends[("F", st.stages[choice[1]], st.next_f[choice[1]])] = t + 1
+                ends[deps.make_key[C_F][st.stages[choice[1]]] + st.next_f[choice[1]]] = t + 1
                 st.f(choice[1])
                 held[r] += 1
         t += 1
