@@ -274,6 +274,13 @@ class PipelineScheduleSingle(_NamedSchedule):
         )
 
 
+class _NamedMulti(PipelineScheduleMulti):
+    """The base of the concrete multi-stage classes, for torch's positional order of those (torch's
+    ``PipelineScheduleMulti`` itself takes ``use_full_backward`` seventh)."""
+
+    __init__ = _NamedSchedule.__init__
+
+
 class ScheduleGPipe(PipelineScheduleSingle):
     schedule_name = "GPipe"
 
@@ -290,9 +297,8 @@ class ScheduleZBH2(PipelineScheduleSingle):
     schedule_name = "ZBH2"
 
 
-class ScheduleInterleaved1F1B(PipelineScheduleMulti):
+class ScheduleInterleaved1F1B(_NamedMulti):
     schedule_name = "Interleaved1F1B"
-    __init__ = _NamedSchedule.__init__  # torch's order for the concrete classes
 
 
 ScheduleFlexibleInterleaved1F1B = ScheduleInterleaved1F1B
@@ -330,24 +336,20 @@ class ScheduleLoopedBFS(PipelineScheduleMulti):
         )
 
 
-class ScheduleInterleavedZeroBubble(PipelineScheduleMulti):
+class ScheduleInterleavedZeroBubble(_NamedMulti):
     schedule_name = "InterleavedZeroBubble"
-    __init__ = _NamedSchedule.__init__  # torch's order for the concrete classes
 
 
-class ScheduleZBVZeroBubble(PipelineScheduleMulti):
+class ScheduleZBVZeroBubble(_NamedMulti):
     schedule_name = "ZBVZeroBubble"
-    __init__ = _NamedSchedule.__init__  # torch's order for the concrete classes
 
 
-class ScheduleDualPipeV(PipelineScheduleMulti):
+class ScheduleDualPipeV(_NamedMulti):
     schedule_name = "DualPipeV"
-    __init__ = _NamedSchedule.__init__  # torch's order for the concrete classes
 
 
-class ScheduleForwardOnly(PipelineScheduleMulti):
+class ScheduleForwardOnly(_NamedMulti):
     schedule_name = "ForwardOnly"
-    __init__ = _NamedSchedule.__init__  # torch's order for the concrete classes
 
 
 # torch's own names beyond the families' (the base classes, the runtime, older aliases).
@@ -369,11 +371,8 @@ def _class_of(fam: ScheduleFamily) -> type[PipelineScheduleRuntime]:
     if isinstance(defined, type) and issubclass(defined, _NamedSchedule):
         cls = defined
     else:
-        base = PipelineScheduleSingle if fam.stages_per_rank == 1 else PipelineScheduleMulti
-        body: dict[str, Any] = {"schedule_name": fam.name, "__module__": __name__}
-        if base is PipelineScheduleMulti:
-            body["__init__"] = _NamedSchedule.__init__  # torch's order for the concrete classes
-        cls = type(fam.class_name, (base,), body)
+        base = PipelineScheduleSingle if fam.stages_per_rank == 1 else _NamedMulti
+        cls = type(fam.class_name, (base,), {"schedule_name": fam.name, "__module__": __name__})
         globals()[fam.class_name] = cls
     for key in (fam.name, *fam.aliases, fam.class_name, *(f"Schedule{a}" for a in fam.aliases)):
         _CLASSES[key.lower()] = cls
