@@ -314,24 +314,27 @@ class StepDriver:
             a_list = args_per_mb if args_per_mb is not None else [() for _ in range(n)]
             k_list = chunks if chunks is not None else [{} for _ in range(n)]
             inputs = list(zip(a_list, k_list, strict=True))
-        return inputs, chunks, self._presplit_targets(target_mbs, train)
+        targets = target_mbs if self._takes_target(target_mbs, train, "target_mbs", "target_mbs") else None
+        return inputs, chunks, targets
 
-    def _presplit_targets(self, target_mbs: list[Any] | None, train: bool) -> list[Any] | None:
+    def _takes_target(self, given: Any, train: bool, name: str, given_as: str) -> bool:
+        """Whether this caller computes losses against ``given`` (``target`` or ``target_mbs``, the
+        argument ``name``); an error where it was given off the last stage's rank, or not where needed."""
         last = self.num_stages - 1
         if not self.has_last_stage:
-            if target_mbs is not None:
+            if given is not None:
                 raise PipelineError(
-                    f"{self._where()}: step() was given target_mbs, but this rank does not hold the last stage "
-                    f"({last}), which computes the loss: pass target_mbs only on the rank that holds it"
+                    f"{self._where()}: step() was given {given_as}, but this rank does not hold the last stage "
+                    f"({last}), which computes the loss: pass {name} only on the rank that holds it"
                 )
-            return None
-        if self._loss_fn is None or (not train and target_mbs is None):
-            return None
-        if target_mbs is None:
+            return False
+        if self._loss_fn is None or (not train and given is None):
+            return False
+        if given is None:
             raise PipelineError(
-                f"{self._where()}: holds the last stage ({last}) and loss_fn is set, but step() got no target_mbs"
+                f"{self._where()}: holds the last stage ({last}) and loss_fn is set, but step() got no {name}"
             )
-        return target_mbs
+        return True
 
     def _split_inputs(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -391,21 +394,9 @@ class StepDriver:
     def _split_target(
         self, target: Any, train: bool, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> list[Any] | None:
-        last = self.num_stages - 1
-        if not self.has_last_stage:
-            if target is not None:
-                raise PipelineError(
-                    f"{self._where()}: step() was given a target, but this rank does not hold the last stage ({last}), "
-                    "which computes the loss: pass target only on the rank that holds it"
-                )
+        if not self._takes_target(target, train, "target", "a target"):
             return None
-        if self._loss_fn is None or (not train and target is None):
-            return None
-        if target is None:
-            raise PipelineError(
-                f"{self._where()}: holds the last stage ({last}) and loss_fn is set, but step() got no target"
-            )
-        self._check_batch(target, args, kwargs, last)
+        self._check_batch(target, args, kwargs, self.num_stages - 1)
         return split_into_chunks(target, self.n_microbatches, None, "target")
 
     def _check_batch(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], last: int) -> None:
