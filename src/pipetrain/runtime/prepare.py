@@ -19,6 +19,7 @@ from pipetrain.plan import Schedule, ScheduleError
 from pipetrain.plan.lower import forwards_only
 from pipetrain.plan.passes.early_recv import post_receives_early
 from pipetrain.plan.program import RankProgram, compile_program
+from pipetrain.plan.validate import validate
 from pipetrain.runtime.data_parallel import with_grad_reduction
 from pipetrain.stage import PipelineStage
 
@@ -100,14 +101,17 @@ def require_autograd(who: str) -> None:
 
 class Prepared:
     """A schedule ready to run: ``base`` (lowered, what ranks agree on), ``schedule`` (what runs:
-    ``base`` with receives moved early where asked) and each rank's compiled program."""
+    ``base`` with receives moved early where asked, validated under the matching model of the
+    backend that runs it) and each rank's compiled program."""
 
     def __init__(self, base: Schedule, recv_ahead: int = 0) -> None:
         self.base = base
         try:
             self.schedule = post_receives_early(base, recv_ahead) if recv_ahead else base
+            # What runs is checked under the backend's matching model (early receives: gloo only).
+            validate(self.schedule, matching="gloo" if recv_ahead else "nccl")
         except ScheduleError as err:
-            raise PipelineError(str(err)) from None
+            raise PipelineError(f"the schedule {base.name or ''} cannot run: {err}".replace("  ", " ")) from None
         self.recv_ahead = recv_ahead
         self.agreed = False  # whether the ranks have checked they run the same schedule
         self._programs: dict[int, RankProgram] = {}
