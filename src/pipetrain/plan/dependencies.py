@@ -68,6 +68,8 @@ CODE: dict[str, int] = {
 }
 _NUM_RULED = C_RECV_B + 1  # kinds with a template (OVERLAP_F_B's is its parts')
 
+_COMM_KINDS = (ActionKind.SEND_F, ActionKind.SEND_B, ActionKind.RECV_F, ActionKind.RECV_B)
+
 Need = tuple[int, bool]
 """(key base, crosses ranks): the key is ``base + m``; a crossing need waits for the message latency."""
 
@@ -133,6 +135,7 @@ class Dependencies:
         "next_cross",
         "prev_cross",
         "rank_of",
+        "routes",
         "sends",
     )
 
@@ -169,6 +172,11 @@ class Dependencies:
         self.make_key = [[row[0] if row else -1 for row in rows] for rows in self.makes]
         # The inverse of the input rules: a forward's output goes to s+1, an input-gradient to s-1.
         self.sends: list[list[bool]] = [self.next_cross, self.prev_cross, self.prev_cross, [False] * S]
+        # route() as templates, for SEND_F, SEND_B, RECV_F, RECV_B: (node base, source, destination).
+        probe = [Action(s, kind, 0) for kind in _COMM_KINDS for s in range(S)]
+        self.routes: dict[str, list[tuple[int, int, int]]] = {
+            kind._value_: [route(a, S, M) for a in probe[k * S : (k + 1) * S]] for k, kind in enumerate(_COMM_KINDS)
+        }
 
     def _input(self, producer: int, crosses: bool) -> tuple[Need, ...]:
         if crosses and self.lowered:

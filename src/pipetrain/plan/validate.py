@@ -42,7 +42,6 @@ from pipetrain.plan.dependencies import (
     Ids,
     consumer,
     cross_rank_flags,
-    route,
 )
 from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.schedule import Schedule, first_naming
@@ -349,12 +348,15 @@ class _CommPlan:
         gid = -1
         has_backward = index.has_backward
         msg_base = RECEIVED * SM
+        routes = Dependencies(S, M, rank_of, lowered=True).routes
         last_rank, last_step = -1, -2
         current: list[int] = []
         for op, (rank, step, action) in enumerate(zip(self.op_rank, self.op_step, self.op_action, strict=True)):
             # msg: the producer's F or X node id, which is also the message id.
-            msg, src, dst = route(action, S, M)
-            is_send = action.kind is SEND_F or action.kind is SEND_B
+            kind = action.kind
+            msg, src, dst = routes[kind._value_][action.stage]
+            msg += action.microbatch  # type: ignore[operator]
+            is_send = kind is SEND_F or kind is SEND_B
             if dst < 0 or dst >= S or src < 0 or src >= S or (msg >= SM and not has_backward):
                 _endpoint_error(index, rank, step, action)
             if rank_of[src] == rank_of[dst]:
