@@ -133,6 +133,7 @@ class Dependencies:
         "need_keys",
         "needs",
         "next_cross",
+        "outgoing",
         "prev_cross",
         "rank_of",
         "routes",
@@ -172,6 +173,11 @@ class Dependencies:
         self.make_key = [[row[0] if row else -1 for row in rows] for rows in self.makes]
         # The inverse of the input rules: a forward's output goes to s+1, an input-gradient to s-1.
         self.sends: list[list[bool]] = [self.next_cross, self.prev_cross, self.prev_cross, [False] * S]
+        # What a compute part's product becomes when it crosses ranks: (SEND kind, RECV kind, stage
+        # receiving it) per F, B and I code and stage; None where it stays on the rank.
+        fwd = [(ActionKind.SEND_F, ActionKind.RECV_F, s + 1) if self.next_cross[s] else None for s in range(S)]
+        grad = [(ActionKind.SEND_B, ActionKind.RECV_B, s - 1) if self.prev_cross[s] else None for s in range(S)]
+        self.outgoing: list[list[tuple[ActionKind, ActionKind, int] | None]] = [fwd, grad, grad]
         # route() as templates, for SEND_F, SEND_B, RECV_F, RECV_B: (node base, source, destination).
         probe = [Action(s, kind, 0) for kind in _COMM_KINDS for s in range(S)]
         self.routes: dict[str, list[tuple[int, int, int]]] = {

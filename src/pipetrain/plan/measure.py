@@ -16,6 +16,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from pipetrain.plan.costs import Costs
+from pipetrain.plan.dependencies import CODE, Dependencies
 from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.timeline import Timeline, TimelineEvent
 
@@ -64,30 +65,30 @@ def costs_from_timelines(
 
 def message_latency(timelines: Sequence[Timeline]) -> float:
     """Median time from a producer's end to the start of its consumer on another rank, over the
-    consumers that waited for it (their rank was idle in between); 0 when none waited."""
+    consumers that waited for it (their rank was idle in between); 0 when none waited.
+
+    Which action produces a consumer's input is the dependency core's rule.
+    """
     waits: list[float] = []
     for timeline in timelines:
-        ends: dict[tuple[str, int, int], tuple[int, float]] = {}
+        events = [e for e in timeline.events if e.kind in _COMPUTE and e.microbatch is not None and e.stage >= 0]
+        if not events:
+            continue
+        num_stages = 1 + max(e.stage for e in events)
+        num_microbatches = 1 + max(e.microbatch or 0 for e in events)
+        deps = Dependencies(num_stages, num_microbatches, [0] * num_stages, lowered=False)
+        ends: dict[int, tuple[int, float]] = {}  # product key -> (rank, end)
         by_rank: dict[int, list[TimelineEvent]] = defaultdict(list)
-        for e in timeline.events:
-            if e.kind in _COMPUTE and e.microbatch is not None:
-                by_rank[e.rank].append(e)
-                if e.kind == "F":
-                    ends[("F", e.stage, e.microbatch)] = (e.rank, e.end)
-                elif e.kind in ("B", "I"):
-                    ends[("G", e.stage, e.microbatch)] = (e.rank, e.end)
-        for rank, events in by_rank.items():
-            events.sort(key=lambda e: e.start)
+        for e in events:
+            by_rank[e.rank].append(e)
+            ends[deps.make_key[CODE[e.kind]][e.stage] + e.microbatch] = (e.rank, e.end)  # type: ignore[operator]
+        for rank, ordered in by_rank.items():
+            ordered.sort(key=lambda e: e.start)
             previous_end = float("-inf")
-            for e in events:
-                assert e.microbatch is not None
-                if e.kind == "F":
-                    producer = ends.get(("F", e.stage - 1, e.microbatch))
-                elif e.kind in ("B", "I"):
-                    producer = ends.get(("G", e.stage + 1, e.microbatch))
-                else:
-                    producer = None
-                if producer is not None and producer[0] != rank and producer[1] >= previous_end:
-                    waits.append(max(0.0, e.start - producer[1]))
+            for e in ordered:
+                for key in deps.need_keys[CODE[e.kind]][e.stage]:
+                    producer = ends.get(key + e.microbatch)  # type: ignore[operator]
+                    if producer is not None and producer[0] != rank and producer[1] >= previous_end:
+                        waits.append(max(0.0, e.start - producer[1]))
                 previous_end = max(previous_end, e.end)
     return statistics.median(waits) if waits else 0.0

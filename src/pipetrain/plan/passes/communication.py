@@ -20,6 +20,7 @@ from itertools import accumulate
 
 from pipetrain.plan._graph import OVERLAP, RECV_B, RECV_F, SEND_B, SEND_F, B, F, I, W
 from pipetrain.plan.actions import Action, new_action
+from pipetrain.plan.dependencies import CODE, Dependencies
 from pipetrain.plan.passes._insert import refuse_existing
 from pipetrain.plan.passes._timing import UnitRun, unit_time_run
 from pipetrain.plan.schedule import Schedule
@@ -76,20 +77,18 @@ def place_messages(schedule: Schedule, run: UnitRun) -> tuple[list[list[int]], l
     arrivals = [[0] * (horizon + 1) for _ in range(schedule.num_ranks)]  # messages per arrival time
     acts: list[list[Action | None]] = [[] for _ in range(schedule.num_ranks)]
     new = new_action  # hundreds of thousands of actions: one C call each
+    outgoing = Dependencies(schedule.num_stages, schedule.num_microbatches, rank_of, lowered=True).outgoing
+    codes = CODE
     for st, bucket in enumerate(run.by_time):
         end_time = st + 1
         for part in bucket:
             s = part.stage
             m = part.microbatch
             r = rank_of[s]
-            if part.kind is F:
-                d = rank_of[s + 1]
-                send = new(Action, (s, SEND_F, m, None))
-                recv = new(Action, (s + 1, RECV_F, m, None))
-            else:  # B or I: the input gradient goes back
-                d = rank_of[s - 1]
-                send = new(Action, (s, SEND_B, m, None))
-                recv = new(Action, (s - 1, RECV_B, m, None))
+            send_kind, recv_kind, to = outgoing[codes[part.kind._value_]][s]  # type: ignore[misc]
+            d = rank_of[to]
+            send = new(Action, (s, send_kind, m, None))
+            recv = new(Action, (to, recv_kind, m, None))
             arrivals[r][end_time] += 1
             acts[r].append(send)
             arrivals[d][end_time] += 1

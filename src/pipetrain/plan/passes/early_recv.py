@@ -20,6 +20,7 @@ send its peer makes only after this rank's later groups: the pass is for per-tag
 from __future__ import annotations
 
 from pipetrain.plan.actions import Action, ActionKind
+from pipetrain.plan.dependencies import route
 from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.schedule import Schedule
 
@@ -47,7 +48,8 @@ def post_receives_early(schedule: Schedule, ahead: int) -> Schedule:
 
 
 def _peer(action: Action, where: dict[int, int]) -> int:
-    return where[action.stage - 1] if action.kind is _RECV_F else where[action.stage + 1]
+    """The rank that sends what ``action`` receives (the core's route; sizes do not matter to it)."""
+    return where[route(action, len(where), 1)[1]]
 
 
 def early_receives(program: list[Action | None], where: dict[int, int]) -> list[Action]:
