@@ -276,7 +276,8 @@ def _simulate(schedule: Schedule, costs: Costs | None) -> SimResult:
                     any_backward = True
                 elif C_SEND_F <= code <= C_RECV_B:
                     lowered = True
-    tables = _tables(Dependencies(n_st, n_mb, rank_of, lowered=lowered), costs)
+    deps = Dependencies(n_st, n_mb, rank_of, lowered=lowered)
+    tables = _tables(deps, costs)
     t_needs, t_makes, t_dur = tables
     other_dur = {C_UNSHARD: costs.unshard, C_RESHARD: costs.reshard, C_REDUCE: costs.reduce_grad}
     part_dur: list[list[float | None]] = [[None] * n_cells for _ in range(4)]
@@ -413,7 +414,9 @@ def _simulate(schedule: Schedule, costs: Costs | None) -> SimResult:
         peak_memory_time=peak_time,
         peak_memory_bytes=peak_bytes,
         peak_memory_bytes_time=peak_bytes_time,
-        lower_bound=_lower_bound(part_dur, rank_of, busy, comm, n_st, n_mb, n_rk),
+        lower_bound=_lower_bound(
+            Dependencies(n_st, n_mb, rank_of, lowered=False) if lowered else deps, part_dur, busy, comm, n_rk
+        ),
         num_sends=num_sends,
         lowered=lowered,
         _events=events,
@@ -496,92 +499,89 @@ def _memory(
 
 
 def _lower_bound(
+    deps: Dependencies,  # unlowered: products, not messages
     part_dur: list[list[float | None]],
-    rank_of: list[int],
     busy: list[float],
     comm: float,
-    n_st: int,
-    n_mb: int,
     n_rk: int,
 ) -> float:
     """max(longest dependency chain, max over ranks of lead + compute time + trail).
 
     A rank's lead is the earliest any of its actions can start (its first input's arrival); its
     trail is the shortest chain of work that must follow any of its actions. Parts of an
-    overlapped pair count with their share of the pair's time.
+    overlapped pair count with their share of the pair's time. The chains follow the dependency
+    core's rules, over its products (F, X, W) in an order where every need comes first.
     """
     inf = float("inf")
+    n_st, n_mb, n_cells = deps.S, deps.M, deps.SM
     pf, pb, pi, pw = part_dur
+    # A product's duration per cell: F; X is B's or I's (a cell has one); W.
+    dur = [pf, [b if b is not None else i for b, i in zip(pb, pi, strict=True)], pw]
+    needs = {
+        (block, s): [(key // n_cells, (key % n_cells) // n_mb, crosses) for key, crosses in deps.needs[code][s]]
+        for block, code in ((0, C_F), (1, C_I), (2, C_W))
+        for s in range(n_st)
+    }
+    order = _needs_first(needs)
+    rank_of = deps.rank_of
     lead = [inf] * n_rk
     trail = [inf] * n_rk
     chain = 0.0
-    n_cells = n_st * n_mb
-    # Forward pass: earliest start and end of every part (F by stage up, backward by stage down).
-    f_end = [0.0] * n_cells
-    g_end = [0.0] * n_cells
-    for s in range(n_st):
-        r = rank_of[s]
-        lat = comm if s > 0 and rank_of[s - 1] != r else 0.0
+    # Earliest end of every part, needs first.
+    end = [[0.0] * n_cells for _ in range(3)]
+    for block, s in order:
+        r, rows, ends = rank_of[s], dur[block], end[block]
         for m in range(n_mb):
             idx = s * n_mb + m
-            d = pf[idx]
+            d = rows[idx]
             if d is None:
                 continue
-            start = f_end[idx - n_mb] + lat if s > 0 else 0.0
+            start = 0.0
+            for b, s2, crosses in needs[(block, s)]:
+                start = max(start, end[b][s2 * n_mb + m] + (comm if crosses else 0.0))
             lead[r] = min(lead[r], start)
-            f_end[idx] = start + d
-            chain = max(chain, f_end[idx])
-    for s in range(n_st - 1, -1, -1):
-        r = rank_of[s]
-        lat = comm if s < n_st - 1 and rank_of[s + 1] != r else 0.0
+            ends[idx] = start + d
+            chain = max(chain, ends[idx])
+    # The longest chain from the start of every part to the end of what needs it, consumers first.
+    tail = [[0.0] * n_cells for _ in range(3)]
+    users: dict[tuple[int, int], list[tuple[int, int, bool]]] = {node: [] for node in needs}
+    for (block, s), wanted in needs.items():
+        for b, s2, crosses in wanted:
+            users[(b, s2)].append((block, s, crosses))
+    for block, s in reversed(order):
+        r, rows, tails = rank_of[s], dur[block], tail[block]
         for m in range(n_mb):
             idx = s * n_mb + m
-            d = pb[idx]
-            if d is None:
-                d = pi[idx]
+            d = rows[idx]
             if d is None:
                 continue
-            start = f_end[idx]
-            if s < n_st - 1:
-                start = max(start, g_end[idx + n_mb] + lat)
-            g_end[idx] = start + d
-            wd = pw[idx]
-            chain = max(chain, g_end[idx] + (wd or 0.0))
-    # Reverse pass: the longest chain that must still run after each part ends.
-    g_tail = [0.0] * n_cells  # from the start of (s,m)'s input-grad part to the end of its consumers
-    for s in range(n_st):
-        r = rank_of[s]
-        lat = comm if s > 0 and rank_of[s - 1] != r else 0.0
-        for m in range(n_mb):
-            idx = s * n_mb + m
-            d = pb[idx]
-            if d is None:
-                d = pi[idx]
-            if d is None:
-                continue
-            after = g_tail[idx - n_mb] + lat if s > 0 else 0.0
-            wd = pw[idx]
-            if wd is not None:
-                trail[r] = 0.0  # nothing waits for a W
-                after = max(after, wd)
+            after = 0.0
+            for b, s2, crosses in users[(block, s)]:
+                if dur[b][s2 * n_mb + m] is not None:
+                    after = max(after, tail[b][s2 * n_mb + m] + (comm if crosses else 0.0))
             trail[r] = min(trail[r], after)
-            g_tail[idx] = after + d
-    f_tail = [0.0] * n_cells
-    for s in range(n_st - 1, -1, -1):
-        r = rank_of[s]
-        lat = comm if s < n_st - 1 and rank_of[s + 1] != r else 0.0
-        for m in range(n_mb):
-            idx = s * n_mb + m
-            d = pf[idx]
-            if d is None:
-                continue
-            after = f_tail[idx + n_mb] + lat if s < n_st - 1 and pf[idx + n_mb] is not None else 0.0
-            if pb[idx] is not None or pi[idx] is not None:
-                after = max(after, g_tail[idx])
-            trail[r] = min(trail[r], after)
-            f_tail[idx] = after + d
+            tails[idx] = after + d
     per_rank = max((lead[r] + busy[r] + trail[r] for r in range(n_rk) if lead[r] != inf), default=0.0)
     return max(chain, per_rank)
+
+
+def _needs_first(needs: dict[tuple[int, int], list[tuple[int, int, bool]]]) -> list[tuple[int, int]]:
+    """The products (block, stage) in an order where each comes after those it needs."""
+    order: list[tuple[int, int]] = []
+    placed: set[tuple[int, int]] = set()
+    pending = list(needs)
+    while pending:
+        later = []
+        for node in pending:
+            if all((b, s) in placed for b, s, _ in needs[node]):
+                order.append(node)
+                placed.add(node)
+            else:
+                later.append(node)
+        if len(later) == len(pending):  # pragma: no cover - the rules form no cycle
+            raise AssertionError("the dependency rules have a cycle")
+        pending = later
+    return order
 
 
 def _deadlock_message(
