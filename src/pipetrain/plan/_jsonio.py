@@ -1,4 +1,4 @@
-"""Reading the files the planning layer writes (JSON schedules and timelines, CSV text).
+"""Reading (and writing) the files the planning layer writes (JSON schedules and timelines, CSV text).
 
 A path is always a path: :func:`read_json_file` only reads files and :func:`parse_json_text` only
 parses text. :func:`read_json` keeps the older "a path or the JSON text itself" calls working
@@ -15,6 +15,15 @@ import os
 from typing import Any
 
 from pipetrain.plan.errors import ScheduleError
+
+
+def write_json(data: Any, path: str | os.PathLike[str] | None, indent: int | None) -> str:
+    """``data`` as JSON text; also written to ``path`` (with a final newline) when one is given."""
+    text = json.dumps(data, indent=indent)
+    if path is not None:
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(text + "\n")
+    return text
 
 
 def read_text(path: str | os.PathLike[str], *, newline: str | None = None) -> str:

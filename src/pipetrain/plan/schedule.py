@@ -9,12 +9,18 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from pipetrain.plan._jsonio import is_json_text, parse_json_text, read_json, read_json_file, read_text
+from pipetrain.plan._jsonio import (
+    is_json_text,
+    parse_json_text,
+    read_json,
+    read_json_file,
+    read_text,
+    write_json,
+)
 from pipetrain.plan._text import count
 from pipetrain.plan.actions import Action, ActionKind
 from pipetrain.plan.errors import ScheduleError
@@ -397,11 +403,7 @@ class Schedule:
 
     def to_json(self, path: str | os.PathLike[str] | None = None, *, indent: int | None = None) -> str:
         """The JSON text; also written to ``path`` when one is given."""
-        text = json.dumps(self.to_dict(), indent=indent)
-        if path is not None:
-            with open(path, "w", encoding="utf-8") as fh:
-                fh.write(text + "\n")
-        return text
+        return write_json(self.to_dict(), path, indent)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Schedule:

@@ -6,13 +6,12 @@ simulation and a recorded training step the same way, and side by side.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipetrain.plan._jsonio import parse_json_text, read_json
+from pipetrain.plan._jsonio import parse_json_text, read_json, write_json
 from pipetrain.plan.errors import ScheduleError
 
 __all__ = ["Timeline", "TimelineEvent"]
@@ -135,11 +134,7 @@ class Timeline:
 
     def to_json(self, path: str | os.PathLike[str] | None = None, *, indent: int | None = None) -> str:
         """The JSON text; also written to ``path`` when one is given."""
-        text = json.dumps(self.to_dict(), indent=indent)
-        if path is not None:
-            with open(path, "w", encoding="utf-8") as fh:
-                fh.write(text + "\n")
-        return text
+        return write_json(self.to_dict(), path, indent)
 
     @classmethod
     def from_json(cls, source: str | os.PathLike[str]) -> Timeline:
