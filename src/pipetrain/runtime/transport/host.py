@@ -2,7 +2,7 @@
 
 On a GPU such a read is a device-to-host copy that blocks the host until the tensor is ready,
 and with it every kernel queued before: the host can no longer queue work ahead of the device.
-The runtime makes none in the steady state (see ``p2p.py``); every read it does make goes
+The runtime makes none in the steady state (see ``control.py``); every read it does make goes
 through :func:`host_read`, which counts it, so tests can assert that the count stays at zero.
 Tensors of the control plane (headers and layouts on a CPU channel) are host memory by
 construction and are not counted.
