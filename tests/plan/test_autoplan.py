@@ -155,3 +155,19 @@ def test_construct_never_returns_worse_than_its_seed() -> None:
     seed = problem.orders_of(named)
     found = construct(problem, [seed], time.perf_counter() + 0.5, random.Random(0))
     assert found is not None and found[1] <= problem.makespan(seed) + 1e-9
+
+
+@pytest.mark.skipif(not exact.available(), reason="ortools (the solver extra) is not installed")
+def test_windows_never_worsen_and_keep_the_limit() -> None:
+    """CP-SAT over windows of time, from ZB-V with latency: complete, within the memory limit, no
+    slower, and timed as simulate times it (a split backward: I then W)."""
+    costs = Costs(f=1, i=1, w=1, comm=0.5)
+    named = build_schedule("ZBVZeroBubble", 4, 8)
+    problem = Problem.build(4, 8, [named.stage_to_rank[s] for s in range(8)], costs, [1.0] * 8, 8.0, "v")
+    seed = problem.orders_of(named)
+    started = time.perf_counter()
+    orders, (makespan, _) = exact.improve_windows(problem, seed, started + 1.0, random.Random(0))
+    assert time.perf_counter() - started < 1.5
+    assert problem.complete(orders) and problem.fits(orders)
+    assert makespan <= problem.makespan(seed) + 1e-9
+    assert simulate(problem.to_schedule(orders), costs).makespan == pytest.approx(makespan)

@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from pipetrain.plan.autoplan import SECONDS_PER_ACTION, Orders, Problem, construct
+from pipetrain.plan.autoplan import SECONDS_PER_ACTION, Orders, Problem, construct, polish
 from pipetrain.plan.costs import Costs
 from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.generators import build_schedule, family, schedule_names
@@ -33,6 +33,7 @@ __all__ = ["Candidate", "Plan", "auto_schedule", "layout_problem", "plan_schedul
 _MAX_STAGES_PER_RANK = 4
 _LIKELY_BEST = ("ZBVZeroBubble", "InterleavedZeroBubble", "DualPipeV", "ZBH2", "ZBH1", "Interleaved1F1B", "1F1B")
 _NAMED_SHARE = 0.4  # of the time limit, at most, for building and simulating named schedules
+_FIRST_LOOK_SHARE = 0.45  # of the search time, for a first look at every layout
 
 
 @dataclass(frozen=True)
@@ -222,17 +223,23 @@ def plan_schedule(
 
     rng = random.Random(seed)
     found: list[tuple[float, Problem, Orders]] = []
+    # With two layouts, each gets a first look (list scheduling and local search); the better one
+    # then gets what time is left (CP-SAT over windows when ortools is installed).
+    several = len(problems) > 1
+    first_until = time.perf_counter() + (_FIRST_LOOK_SHARE if several else 1.0) * (deadline - time.perf_counter())
     for index, problem in enumerate(problems):
-        share = (deadline - time.perf_counter()) / (len(problems) - index)
+        share = (first_until - time.perf_counter()) / (len(problems) - index)
         if best_named is not None and share < 2 * SECONDS_PER_ACTION * 3 * problem.num_stages * num_microbatches:
             continue  # not even one list-scheduling run would end in time: the named schedules stand
         seeds = [problem.orders_of(c.schedule) for c in named if _same_layout(problem, c.schedule)]
         # construct may end a little past its deadline (one evaluation, the last list-scheduling run).
-        result = construct(problem, seeds, time.perf_counter() + 0.92 * share, rng)
+        result = construct(problem, seeds, time.perf_counter() + 0.92 * share, rng, 0.0 if several else None)
         if result is not None:
             found.append((result[1], problem, result[0]))
     if found:
         makespan, problem, orders = min(found, key=lambda item: item[0])
+        if several:
+            orders, makespan = polish(problem, orders, makespan, deadline, rng)
         if best_named is None or makespan < best_named.result.makespan - 1e-9:
             schedule = problem.to_schedule(orders)
             memory = max(problem.peak(o) for o in orders)

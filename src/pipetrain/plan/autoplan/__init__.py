@@ -17,11 +17,11 @@ from pipetrain.plan.autoplan.greedy import Policy, list_schedule
 from pipetrain.plan.autoplan.improve import improve
 from pipetrain.plan.autoplan.problem import KIND_B, KIND_I, KIND_W, Orders, Problem
 
-__all__ = ["SECONDS_PER_ACTION", "Orders", "Policy", "Problem", "construct", "merge_backward"]
+__all__ = ["SECONDS_PER_ACTION", "Orders", "Policy", "Problem", "construct", "merge_backward", "polish"]
 
 _GREEDY_SHARE = 0.35  # of the time: list scheduling under the rule grid and random restarts
 _EXACT_SHARE = 0.5  # of what is left, for CP-SAT when ortools is installed and the problem is small
-_EXACT_MAX_ACTIONS = 600
+_EXACT_MAX_ACTIONS = 3200
 SECONDS_PER_ACTION = 4e-5
 
 
@@ -80,9 +80,15 @@ def merge_backward(problem: Problem, orders: Orders) -> Orders:
 
 
 def construct(
-    problem: Problem, seeds: Sequence[Orders], deadline: float, rng: random.Random
+    problem: Problem,
+    seeds: Sequence[Orders],
+    deadline: float,
+    rng: random.Random,
+    polish_share: float | None = None,
 ) -> tuple[Orders, float] | None:
-    """The best orders found by ``deadline`` (never worse than a seed that fits), and their makespan."""
+    """The best orders found by ``deadline`` (never worse than a seed that fits), and their makespan:
+    list scheduling, local search, then :func:`polish` for ``polish_share`` of what time is left
+    (by default most of it when ortools can take it, else none)."""
     pool: list[tuple[tuple[float, float], Orders]] = []
     for seed_orders in seeds:
         if problem.complete(seed_orders) and problem.fits(seed_orders):
@@ -100,19 +106,34 @@ def construct(
     if not pool:
         return None
     pool.sort(key=lambda item: item[0])
-    size = sum(len(o) for o in pool[0][1])
-    use_exact = size <= _EXACT_MAX_ACTIONS and exact.available() and exact.solvable(problem)
-    left = max(0.0, deadline - time.perf_counter())
-    improve_until = deadline - (_EXACT_SHARE * left if use_exact else 0.0)
+    if polish_share is None:
+        polish_share = _EXACT_SHARE if _use_exact(problem) else 0.0
+    improve_until = deadline - polish_share * max(0.0, deadline - time.perf_counter())
     best, makespan = improve(problem, pool[0][1], improve_until, rng)
     if makespan == float("inf"):
         return None
-    if use_exact and deadline - time.perf_counter() > 0.05:
-        solved = exact.solve(problem, hint=best, time_limit=deadline - time.perf_counter())
-        if solved.orders is not None:
-            score = problem.makespan(solved.orders)
-            if score < makespan - 1e-9 and problem.fits(solved.orders):
-                best, makespan = solved.orders, score
+    return polish(problem, best, makespan, deadline, rng)
+
+
+def _use_exact(problem: Problem) -> bool:
+    size = 3 * problem.num_stages * problem.num_microbatches
+    return size <= _EXACT_MAX_ACTIONS and exact.available() and exact.solvable(problem)
+
+
+def polish(
+    problem: Problem, orders: Orders, makespan: float, deadline: float, rng: random.Random
+) -> tuple[Orders, float]:
+    """Better orders than ``orders`` (makespan ``makespan``, never worse) found by ``deadline``:
+    CP-SAT over windows of time when ortools is installed and the problem fits the model, else
+    more local search. A backward whose W directly follows its I is then run as one B."""
+    best = orders
+    if deadline - time.perf_counter() > 0.1:
+        if _use_exact(problem):
+            found, (score, _) = exact.improve_windows(problem, best, deadline, rng)
+        else:
+            found, score = improve(problem, best, deadline, rng)
+        if score < makespan - 1e-9:
+            best, makespan = found, score
     merged = merge_backward(problem, best)
     if merged != best and problem.makespan(merged) <= makespan + 1e-9:
         best = merged

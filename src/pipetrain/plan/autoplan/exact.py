@@ -1,9 +1,9 @@
 """Exact solving with CP-SAT (ortools, the optional ``solver`` extra): the yardstick for the
-benchmarks, and the planner's last step on small problems when ortools is installed.
+benchmarks, and, when ortools is installed, the planner's last step (:func:`improve_windows`).
 
 One interval per action (F, I, W of every stage and microbatch) with its duration, no overlap on a
-rank, the dependency rules with the message latency between ranks, and a reservoir per rank for
-memory (an activation is held from the start of its F to the end of its W). Microbatches are
+rank, the dependency rules with the message latency between ranks, and a cumulative resource
+per rank for memory (an activation is held from the start of its F to the end of its W). Microbatches are
 interchangeable, so they enter the first stage in order (a symmetry cut that keeps an optimum).
 Durations are scaled to integers (``scale``); problems whose durations or weights are not
 multiples of ``1/scale`` are left to the heuristic. The planner never needs ortools.
@@ -12,12 +12,18 @@ multiples of ``1/scale`` are left to the heuristic. The planner never needs orto
 from __future__ import annotations
 
 import importlib.util
+import random
+import time
 from dataclasses import dataclass
 from typing import Any
 
-from pipetrain.plan.autoplan.problem import KIND_F, KIND_I, KIND_W, Orders, Problem
+from pipetrain.plan.autoplan.problem import KIND_B, KIND_F, KIND_I, KIND_W, Orders, Problem
 
-__all__ = ["Exact", "available", "solvable", "solve"]
+__all__ = ["Exact", "available", "improve_windows", "solvable", "solve", "split_backward"]
+
+_EPS = 1e-9
+_WINDOW_ACTIONS = 100  # a first window holds about this many actions; then it adapts
+_WINDOW_SECONDS = 0.4  # CP-SAT's time for one window, at most
 
 
 def available() -> bool:
@@ -46,91 +52,221 @@ class Exact:
     orders: Orders | None
 
 
+class _Model:
+    """The CP-SAT model of ``problem``: start and end variables per action code, the makespan."""
+
+    def __init__(self, problem: Problem, scale: int) -> None:
+        self.cp_model: Any = importlib.import_module("ortools.sat.python.cp_model")
+        self.problem = problem
+        self.scale = scale
+        n_st, n_mb, n_rk = problem.num_stages, problem.num_microbatches, problem.num_ranks
+        t = problem.tables
+        model = self.cp_model.CpModel()
+        ticks = self.ticks
+        horizon = sum(
+            ticks(t.dur[problem.code(k, s, m)])
+            for k in (KIND_F, KIND_I, KIND_W)
+            for s in range(n_st)
+            for m in range(n_mb)
+        )
+        horizon += ticks(problem.comm) * 2 * n_st * n_mb + 1
+        self.horizon = horizon
+        start: dict[int, Any] = {}
+        end: dict[int, Any] = {}
+        per_rank: list[list[Any]] = [[] for _ in range(n_rk)]
+        self.held: list[tuple[Any, int, int]] = []  # (how long, F code, W code) per activation
+        for k in (KIND_F, KIND_I, KIND_W):
+            for s in range(n_st):
+                for m in range(n_mb):
+                    c = problem.code(k, s, m)
+                    d = ticks(t.dur[c])
+                    st = model.new_int_var(0, horizon, f"s{c}")
+                    en = model.new_int_var(0, horizon, f"e{c}")
+                    per_rank[t.rank[c]].append(model.new_interval_var(st, d, en, f"i{c}"))
+                    start[c], end[c] = st, en
+        lat = ticks(problem.comm)
+        rank_of = problem.stage_to_rank
+        for s in range(n_st):
+            for m in range(n_mb):
+                f, i, w = (problem.code(k, s, m) for k in (KIND_F, KIND_I, KIND_W))
+                if s > 0:
+                    model.add(
+                        start[f] >= end[problem.code(KIND_F, s - 1, m)] + (lat if rank_of[s - 1] != rank_of[s] else 0)
+                    )
+                model.add(start[i] >= end[f])
+                if s < n_st - 1:
+                    model.add(
+                        start[i] >= end[problem.code(KIND_I, s + 1, m)] + (lat if rank_of[s + 1] != rank_of[s] else 0)
+                    )
+                model.add(start[w] >= end[i])
+        for m in range(n_mb - 1):
+            model.add(start[problem.code(KIND_F, 0, m)] <= start[problem.code(KIND_F, 0, m + 1)])
+        for r in range(n_rk):
+            model.add_no_overlap(per_rank[r])
+        if problem.limit is not None:
+            # An activation is held over an interval (from its F's start to its W's end): memory is
+            # a cumulative resource of capacity ``limit`` on each rank.
+            for r in range(n_rk):
+                held: list[Any] = []
+                demands: list[int] = []
+                for s in problem.stages_of(r):
+                    a = round(problem.weight[s])
+                    assert abs(a - problem.weight[s]) < 1e-9, "the exact model takes integer activation weights"
+                    for m in range(n_mb):
+                        f, w = problem.code(KIND_F, s, m), problem.code(KIND_W, s, m)
+                        size = model.new_int_var(0, horizon, f"h{f}")
+                        held.append(model.new_interval_var(start[f], size, end[w], f"a{f}"))
+                        self.held.append((size, f, w))
+                        demands.append(a)
+                model.add_cumulative(held, demands, int(problem.limit + 1e-9))
+        makespan = model.new_int_var(0, horizon, "makespan")
+        model.add_max_equality(makespan, list(end.values()))
+        model.minimize(makespan)
+        self.model, self.start, self.end, self.makespan = model, start, end, makespan
+        self.per_rank_codes = [[c for c in start if t.rank[c] == r] for r in range(n_rk)]
+
+    def ticks(self, x: float) -> int:
+        value = round(x * self.scale)
+        assert abs(value - x * self.scale) < 1e-6, f"duration {x} is not a multiple of 1/{self.scale}"
+        return value
+
+    def hint(self, model: Any, orders: Orders, rank_end: list[Any] | None = None) -> None:
+        """A complete hint: every start and end of ``orders`` as simulated, and their makespan."""
+        t = self.problem.tables
+        last = 0
+        starts = self.problem.starts(orders)
+        at: dict[int, int] = {}
+        for r, program in enumerate(orders):
+            finish = 0
+            for c, st in zip(program, starts[r], strict=True):
+                if c in self.start:
+                    s_ticks = round(st * self.scale)
+                    e_ticks = s_ticks + self.ticks(t.dur[c])
+                    model.add_hint(self.start[c], s_ticks)
+                    model.add_hint(self.end[c], e_ticks)
+                    at[c] = s_ticks
+                    finish = max(finish, e_ticks)
+            if rank_end is not None:
+                model.add_hint(rank_end[r], finish)
+            last = max(last, finish)
+        model.add_hint(self.makespan, last)
+        for size, f, w in self.held:
+            if f in at and w in at:
+                model.add_hint(size, at[w] + self.ticks(t.dur[w]) - at[f])
+
+    def orders(self, solver: Any) -> Orders:
+        t = self.problem.tables
+        orders: Orders = []
+        for r in range(self.problem.num_ranks):
+            codes = [c for c in self.start if t.rank[c] == r]
+            codes.sort(key=lambda c: (solver.value(self.start[c]), solver.value(self.end[c]), c))
+            orders.append(codes)
+        return orders
+
+
 def solve(
     problem: Problem, hint: Orders | None = None, time_limit: float = 60.0, scale: int = 10, workers: int = 2
 ) -> Exact:
     """Minimise the makespan of ``problem`` (split backward: I then W) within ``time_limit`` seconds."""
-    cp_model: Any = importlib.import_module("ortools.sat.python.cp_model")
-
-    n_st, n_mb, n_rk = problem.num_stages, problem.num_microbatches, problem.num_ranks
-    t = problem.tables
-    model = cp_model.CpModel()
-
-    def ticks(x: float) -> int:
-        value = round(x * scale)
-        assert abs(value - x * scale) < 1e-6, f"duration {x} is not a multiple of 1/{scale}"
-        return value
-
-    horizon = sum(
-        ticks(t.dur[problem.code(k, s, m)]) for k in (KIND_F, KIND_I, KIND_W) for s in range(n_st) for m in range(n_mb)
-    )
-    horizon += ticks(problem.comm) * 2 * n_st * n_mb + 1
-    start: dict[int, Any] = {}
-    end: dict[int, Any] = {}
-    per_rank: list[list[Any]] = [[] for _ in range(n_rk)]
-    for k in (KIND_F, KIND_I, KIND_W):
-        for s in range(n_st):
-            for m in range(n_mb):
-                c = problem.code(k, s, m)
-                d = ticks(t.dur[c])
-                st = model.new_int_var(0, horizon, f"s{c}")
-                en = model.new_int_var(0, horizon, f"e{c}")
-                per_rank[t.rank[c]].append(model.new_interval_var(st, d, en, f"i{c}"))
-                start[c], end[c] = st, en
-    lat = ticks(problem.comm)
-    rank_of = problem.stage_to_rank
-    for s in range(n_st):
-        for m in range(n_mb):
-            f, i, w = (problem.code(k, s, m) for k in (KIND_F, KIND_I, KIND_W))
-            if s > 0:
-                model.add(
-                    start[f] >= end[problem.code(KIND_F, s - 1, m)] + (lat if rank_of[s - 1] != rank_of[s] else 0)
-                )
-            model.add(start[i] >= end[f])
-            if s < n_st - 1:
-                model.add(
-                    start[i] >= end[problem.code(KIND_I, s + 1, m)] + (lat if rank_of[s + 1] != rank_of[s] else 0)
-                )
-            model.add(start[w] >= end[i])
-    for m in range(n_mb - 1):
-        model.add(start[problem.code(KIND_F, 0, m)] <= start[problem.code(KIND_F, 0, m + 1)])
-    for r in range(n_rk):
-        model.add_no_overlap(per_rank[r])
-    if problem.limit is not None:
-        for r in range(n_rk):
-            times: list[Any] = []
-            changes: list[int] = []
-            for s in problem.stages_of(r):
-                a = round(problem.weight[s])
-                assert abs(a - problem.weight[s]) < 1e-9, "the exact model takes integer activation weights"
-                for m in range(n_mb):
-                    times += [start[problem.code(KIND_F, s, m)], end[problem.code(KIND_W, s, m)]]
-                    changes += [a, -a]
-            model.add_reservoir_constraint(times, changes, 0, int(problem.limit + 1e-9))
-    makespan = model.new_int_var(0, horizon, "makespan")
-    model.add_max_equality(makespan, list(end.values()))
-    model.minimize(makespan)
+    built = _Model(problem, scale)
+    cp_model = built.cp_model
     if hint is not None:
-        hint_starts = problem.starts(hint)
-        for r, program in enumerate(hint):
-            for c, st in zip(program, hint_starts[r], strict=True):
-                if c in start:
-                    model.add_hint(start[c], round(st * scale))
+        built.hint(built.model, hint)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit
     solver.parameters.num_workers = workers
-    status = solver.solve(model)
+    status = solver.solve(built.model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return Exact(float("inf"), False, solver.best_objective_bound / scale, solver.wall_time, None)
-    orders: Orders = []
-    for r in range(n_rk):
-        codes = [c for c in start if t.rank[c] == r]
-        codes.sort(key=lambda c: (solver.value(start[c]), solver.value(end[c]), c))
-        orders.append(codes)
     return Exact(
         solver.objective_value / scale,
         status == cp_model.OPTIMAL,
         solver.best_objective_bound / scale,
         solver.wall_time,
-        orders,
+        built.orders(solver),
     )
+
+
+def split_backward(problem: Problem, orders: Orders) -> Orders:
+    """``orders`` with every B run as its I then its W (same times, same memory)."""
+    sm = problem.num_stages * problem.num_microbatches
+    out: Orders = []
+    for program in orders:
+        split: list[int] = []
+        for c in program:
+            if c // sm == KIND_B:
+                split += [c - (KIND_B - KIND_I) * sm, c - (KIND_B - KIND_W) * sm]
+            else:
+                split.append(c)
+        out.append(split)
+    return out
+
+
+def improve_windows(
+    problem: Problem, orders: Orders, deadline: float, rng: random.Random, scale: int = 10
+) -> tuple[Orders, tuple[float, float]]:
+    """Large-neighbourhood search: repeatedly re-solve one window of time exactly.
+
+    Actions that start before the window keep their start times, those after it keep their order
+    on their rank (but may move in time), and CP-SAT reorders the window's actions freely, lowest
+    makespan first, then the sum of the ranks' finishing times. Returns orders never worse than
+    ``orders`` (a split backward only: I then W) and their score; ``orders`` must fit."""
+    best = split_backward(problem, orders)
+    best_score = problem.score(best)
+    built = _Model(problem, scale)
+    cp_model, base = built.cp_model, built.model
+    n_rk = problem.num_ranks
+    # Lexicographic objective: the makespan, then the sum of the ranks' finishing times.
+    rank_end = [base.new_int_var(0, built.horizon, f"r{r}") for r in range(n_rk)]
+    for r in range(n_rk):
+        base.add_max_equality(rank_end[r], [built.end[c] for c in built.per_rank_codes[r]])
+    base.minimize(built.makespan * (n_rk * built.horizon + 1) + sum(rank_end))
+    total = sum(len(o) for o in best)
+    share = min(1.0, _WINDOW_ACTIONS / max(1, total))  # of the makespan a window spans
+    overrun = 0.05  # how far past its time limit a solve has run (CP-SAT's presolve may)
+    while True:
+        left = deadline - time.perf_counter()
+        if left < 0.05 + 2 * overrun:
+            break
+        starts = problem.starts(best)
+        span = best_score[0]
+        if share >= 1.0:
+            t0, t1 = -1.0, float("inf")
+        else:
+            width = share * span
+            t0 = rng.uniform(-0.2 * width, span - 0.6 * width)
+            t1 = t0 + width
+        model = base.clone()
+        built.hint(model, best, rank_end)
+        for r, program in enumerate(best):
+            previous = None
+            for c, st in zip(program, starts[r], strict=True):
+                if st < t0 - _EPS:
+                    model.add(built.start[c] == round(st * scale))
+                elif st > t1 + _EPS:
+                    if previous is not None:
+                        model.add(built.end[previous] <= built.start[c])
+                    previous = c
+        solver = cp_model.CpSolver()
+        limit = min(_WINDOW_SECONDS, deadline - time.perf_counter() - overrun)
+        solver.parameters.max_time_in_seconds = max(0.01, limit)
+        solver.parameters.num_workers = 1
+        solver.parameters.random_seed = rng.randrange(1 << 30)
+        solver.parameters.cp_model_probing_level = 0  # probing and symmetry take longer than
+        solver.parameters.symmetry_level = 0  # a window's search
+        posed = time.perf_counter()
+        status = solver.solve(model)
+        overrun = max(overrun, time.perf_counter() - posed - limit)
+        # Widen the window while CP-SAT closes it in time, narrow it when it does not.
+        share = min(1.0, share * 1.25) if status == cp_model.OPTIMAL else max(0.02, share * 0.8)
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            continue
+        found = built.orders(solver)
+        score = problem.score(found)
+        if (
+            score[0] < best_score[0] - _EPS or (score[0] <= best_score[0] + _EPS and score[1] <= best_score[1] + _EPS)
+        ) and problem.fits(found):
+            best, best_score = found, score
+        if t0 < 0 and t1 == float("inf") and status == cp_model.OPTIMAL:
+            break  # the whole problem is solved: nothing left to find
+    return best, best_score
