@@ -59,6 +59,7 @@ from pipetrain.plan.dependencies import (
     kind_code,
 )
 from pipetrain.plan.errors import ScheduleError
+from pipetrain.plan.execution import Walk
 from pipetrain.plan.schedule import Schedule
 from pipetrain.plan.timeline import Timeline, TimelineEvent
 from pipetrain.plan.validate import check_structure, validate
@@ -262,8 +263,8 @@ def _simulate(schedule: Schedule, costs: Costs | None) -> SimResult:
     any_backward = False
     lowered = False
     codes = CODE
-    for program in programs:
-        for a in program:
+    for listed in programs:
+        for a in listed:
             if a is None:
                 continue
             subs = a.sub_actions
@@ -298,8 +299,6 @@ def _simulate(schedule: Schedule, costs: Costs | None) -> SimResult:
     # ---------------------------------------------------------------- run
     value: list[float | None] = [None] * (NUM_KEY_BLOCKS * n_cells)
     producer = [-1] * (NUM_KEY_BLOCKS * n_cells)
-    waiters: dict[int, list[int]] = {}
-    pc = [0] * n_rk
     clock = [0.0] * n_rk
     last_event = [-1] * n_rk
     events: list[tuple[int, Action, float, float, int]] = []
@@ -313,21 +312,18 @@ def _simulate(schedule: Schedule, costs: Costs | None) -> SimResult:
     alloc_ev = [0] * n_cells
     free_ev = [0] * n_cells
     waiting_on: dict[int, int] = {}
-    ready = list(range(n_rk - 1, -1, -1))
     num_sends = 0
     last_delivery = 0.0
-    while ready:
-        r = ready.pop()
-        program = programs[r]
+    walk = Walk(schedule.actions, n_rk, first=0)
+    pc, waiters, ready = walk.pc, walk.waiting, walk.queue
+    for r in walk.ranks():
+        program = walk.programs[r]
         n = len(program)
         k = pc[r]
         t = clock[r]
         pred0 = last_event[r]
         while k < n:
             a = program[k]
-            if a is None:
-                k += 1
-                continue
             code = CODE[a.kind._value_]
             s = a.stage
             m = a.microbatch
@@ -389,12 +385,13 @@ def _simulate(schedule: Schedule, costs: Costs | None) -> SimResult:
         if k == n:
             waiting_on.pop(r, None)
 
-    stuck = [r for r in range(n_rk) if pc[r] < len(programs[r])]
+    stuck = walk.stuck()
     if stuck:
         # One wording for one broken schedule: validate names the rule ("1B0 needs 1F0, which rank
         # 1 runs later (step 2)"); this pass's own account is the fallback.
         validate(schedule)
-        raise ScheduleError(_deadlock_message(schedule, pc, waiting_on, stuck, n_cells, n_mb))
+        at = [walk.step(r, pc[r]) for r in range(n_rk)]
+        raise ScheduleError(_deadlock_message(schedule, at, waiting_on, stuck, n_cells, n_mb))
 
     makespan = max(max(clock, default=0.0), last_delivery)  # a step ends when every message is delivered
 
@@ -530,37 +527,48 @@ def _lower_bound(
     # Earliest end of every part, needs first.
     end = [[0.0] * n_cells for _ in range(3)]
     for block, s in order:
-        r, rows, ends = rank_of[s], dur[block], end[block]
+        r, rows, ends, base = rank_of[s], dur[block], end[block], s * n_mb
+        wanted = [(end[b], s2 * n_mb, comm if crosses else 0.0) for b, s2, crosses in needs[(block, s)]]
+        first = lead[r]
         for m in range(n_mb):
-            idx = s * n_mb + m
-            d = rows[idx]
+            d = rows[base + m]
             if d is None:
                 continue
             start = 0.0
-            for b, s2, crosses in needs[(block, s)]:
-                start = max(start, end[b][s2 * n_mb + m] + (comm if crosses else 0.0))
-            lead[r] = min(lead[r], start)
-            ends[idx] = start + d
-            chain = max(chain, ends[idx])
+            for e, offset, lat in wanted:
+                x = e[offset + m] + lat
+                if x > start:
+                    start = x
+            if start < first:
+                first = start
+            x = ends[base + m] = start + d
+            if x > chain:
+                chain = x
+        lead[r] = first
     # The longest chain from the start of every part to the end of what needs it, consumers first.
     tail = [[0.0] * n_cells for _ in range(3)]
     users: dict[tuple[int, int], list[tuple[int, int, bool]]] = {node: [] for node in needs}
-    for (block, s), wanted in needs.items():
-        for b, s2, crosses in wanted:
+    for (block, s), wanted_by in needs.items():
+        for b, s2, crosses in wanted_by:
             users[(b, s2)].append((block, s, crosses))
     for block, s in reversed(order):
-        r, rows, tails = rank_of[s], dur[block], tail[block]
+        r, rows, tails, base = rank_of[s], dur[block], tail[block], s * n_mb
+        after_of = [(tail[b], dur[b], s2 * n_mb, comm if crosses else 0.0) for b, s2, crosses in users[(block, s)]]
+        least = trail[r]
         for m in range(n_mb):
-            idx = s * n_mb + m
-            d = rows[idx]
+            d = rows[base + m]
             if d is None:
                 continue
             after = 0.0
-            for b, s2, crosses in users[(block, s)]:
-                if dur[b][s2 * n_mb + m] is not None:
-                    after = max(after, tail[b][s2 * n_mb + m] + (comm if crosses else 0.0))
-            trail[r] = min(trail[r], after)
-            tails[idx] = after + d
+            for e, present, offset, lat in after_of:
+                if present[offset + m] is not None:
+                    x = e[offset + m] + lat
+                    if x > after:
+                        after = x
+            if after < least:
+                least = after
+            tails[base + m] = after + d
+        trail[r] = least
     per_rank = max((lead[r] + busy[r] + trail[r] for r in range(n_rk) if lead[r] != inf), default=0.0)
     return max(chain, per_rank)
 

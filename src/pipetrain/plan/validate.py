@@ -35,6 +35,7 @@ from pipetrain.plan._graph import (
 from pipetrain.plan.actions import Action
 from pipetrain.plan.dependencies import (
     C_OVERLAP,
+    C_RECV_B,
     CODE,
     RECEIVED,
     SENT,
@@ -44,6 +45,7 @@ from pipetrain.plan.dependencies import (
     cross_rank_flags,
 )
 from pipetrain.plan.errors import ScheduleError
+from pipetrain.plan.execution import Walk
 from pipetrain.plan.schedule import Schedule, first_naming
 
 __all__ = ["validate"]
@@ -517,17 +519,13 @@ def _execute(index: _Index, comm: _CommPlan | None, strict: bool = True) -> None
     ids, rank_of = index.ids, index.rank_of
     M, SM = ids.M, ids.SM
     R = schedule.num_ranks
-    programs = [schedule.actions[r] for r in range(R)]
     lowered = comm is not None
     deps = Dependencies(ids.S, M, rank_of, lowered=lowered)
     need_keys, make_key = deps.need_keys, deps.make_key
     sent_base = SENT * SM
     delivered_to_sent = (RECEIVED - SENT) * SM
     done = bytearray(deps.num_keys)
-    waiting: dict[int, list[int]] = {}
     blocked = [-1] * R
-    pc = [0] * R
-    queue = list(range(R))
     codes = CODE
 
     # Communication state (lowered schedules only).
@@ -560,12 +558,10 @@ def _execute(index: _Index, comm: _CommPlan | None, strict: bool = True) -> None
                         t = token[op] if token[op] >= 0 else token[other]
                         done[t] = done[t - delivered_to_sent] = 1
                         if waiting:
-                            for key in (t, t - delivered_to_sent):
-                                woken = waiting.pop(key, None)
-                                if woken:
-                                    queue.extend(woken)
+                            made(t)
+                            made(t - delivered_to_sent)
                         if not remaining[og]:
-                            queue.append(group_rank[og])
+                            walk.wake(group_rank[og])
             if remaining[g] and strict:
                 break
             h += 1
@@ -577,63 +573,63 @@ def _execute(index: _Index, comm: _CommPlan | None, strict: bool = True) -> None
             f"(step {index.node_step[need]}); a dependency on the same rank must come first"
         )
 
-    while queue:
-        r = queue.pop()
-        if head[r] < issued[r]:
+    walk = Walk(schedule.actions, R)
+    programs, pc, waiting, queue = walk.programs, walk.pc, walk.waiting, walk.queue
+    made = walk.made
+    for r in walk.ranks():
+        if head[r] < issued[r]:  # start the groups it posted that could not start before
             start_groups(r)
         program = programs[r]
         n = len(program)
         i = pc[r]
         while i < n:
             a = program[i]
-            if a is None:
-                i += 1
-                continue
             code = codes[a.kind._value_]
             if code < C_OVERLAP:
-                s, m = a.stage, a.microbatch
+                m = a.microbatch
                 t = -1
-                for key in need_keys[code][s]:
+                for key in need_keys[code][a.stage]:
                     if not done[key + m]:  # type: ignore[operator]
                         t = key + m  # type: ignore[operator]
                         break
-                if t >= 0:
-                    if t < sent_base and rank_of[(t % SM) // M] == r:
-                        raise same_rank_later(r, i, a, t)
-                    if blocked[r] != t:
-                        blocked[r] = t
-                        waiting.setdefault(t, []).append(r)
-                    break
-                node = make_key[code][s] + m  # type: ignore[operator]
-                done[node] = 1
-                if waiting:
-                    woken = waiting.pop(node, None)
-                    if woken:
-                        queue.extend(woken)
+                if t < 0:
+                    node = make_key[code][a.stage] + m  # type: ignore[operator]
+                    done[node] = 1
+                    if waiting:
+                        woken = waiting.pop(node, None)
+                        if woken:
+                            queue.extend(woken)
+                    i += 1
+                    continue
             elif code == C_OVERLAP:
-                t, made = _run_overlap(index, deps, a, r, i, done, same_rank_later)
-                if t >= 0:
-                    if blocked[r] != t:
-                        blocked[r] = t
-                        waiting.setdefault(t, []).append(r)
-                    break
-                for node in made:
-                    woken = waiting.pop(node, None)
-                    if woken:
-                        queue.extend(woken)
-            elif a.kind.is_comm:
+                t, ran = _run_overlap(index, deps, a, r, walk.step(r, i), done, same_rank_later)
+                if t < 0:
+                    for node in ran:
+                        made(node)
+                    i += 1
+                    continue
+            elif code > C_RECV_B:  # UNSHARD, RESHARD, REDUCE_GRAD: checked by the scan
+                i += 1
+                continue
+            else:  # SEND/RECV: post the group they start
                 assert comm is not None
                 g = rank_groups[r][issued[r]]
                 issued[r] += 1
                 i += len(group_ops[g])
                 start_groups(r)
                 continue
-            i += 1
+            if t < sent_base and rank_of[(t % SM) // M] == r:
+                raise same_rank_later(r, walk.step(r, i), a, t)
+            if blocked[r] != t:
+                blocked[r] = t
+                waiting.setdefault(t, []).append(r)
+            break
         pc[r] = i
 
     stuck = [r for r in range(R) if pc[r] < len(programs[r]) or head[r] < len(rank_groups[r] if lowered else ())]
     if stuck:
-        reasons = [_stuck_reason(index, comm, r, pc, blocked[r], head, started) for r in stuck]
+        at = [walk.step(r, pc[r]) for r in range(R)]  # where each rank stands, as schedule steps
+        reasons = [_stuck_reason(index, comm, r, at, blocked[r], head, started) for r in stuck]
         where, why = reasons[0]
         others = "".join(f"; also {w}: {y}" for w, y in reasons[1:8])
         more = f"; and {len(reasons) - 8} more stuck ranks" if len(reasons) > 8 else ""

@@ -20,6 +20,7 @@ from typing import NamedTuple, NoReturn
 from pipetrain.plan.actions import Action
 from pipetrain.plan.dependencies import C_I, C_OVERLAP, C_W, CODE, Dependencies
 from pipetrain.plan.errors import ScheduleError
+from pipetrain.plan.execution import Walk
 from pipetrain.plan.schedule import Schedule
 
 
@@ -58,19 +59,16 @@ def unit_time_run(schedule: Schedule) -> UnitRun:
     is_i = bytearray(SM)  # which backwards are split (I, to be followed by a W)
     overlap_extra = 0  # parts of OVERLAP_F_B actions beyond the first, for the duplicate count
     lowered = 0
-    programs = [schedule.actions[r] for r in range(R)]
-    starts: list[list[int]] = [[] for _ in programs]
+    starts: list[list[int]] = [[] for _ in range(R)]
     by_time: list[list[Action]] = []
     end = [-1] * (3 * SM)
     free = [0] * R
-    pc = [0] * R
-    waiting: list[list[int] | None] = [None] * (3 * SM)  # ranks blocked on each node
     codes = CODE
+    walk = Walk(schedule.actions, R)
+    programs, pc, waiting, queue = walk.programs, walk.pc, walk.waiting, walk.queue
 
-    queue = list(range(R))
     try:
-        while queue:
-            r = queue.pop()
+        for r in walk.ranks():
             program = programs[r]
             row = starts[r]
             n = len(program)
@@ -78,9 +76,6 @@ def unit_time_run(schedule: Schedule) -> UnitRun:
             t0 = free[r]
             while i < n:
                 a = program[i]
-                if a is None:
-                    i += 1
-                    continue
                 code = codes[a.kind._value_]
                 if code > C_OVERLAP:
                     lowered += 1
@@ -101,11 +96,7 @@ def unit_time_run(schedule: Schedule) -> UnitRun:
                         if e > t0:
                             t0 = e
                 if missing >= 0:
-                    ranks = waiting[missing]
-                    if ranks is None:
-                        waiting[missing] = [r]
-                    else:
-                        ranks.append(r)
+                    waiting.setdefault(missing, []).append(r)
                     break
                 # Placement, range and the W-after-I rule are checked once the action can run: one
                 # that breaks them and blocks instead (on a node its wrong indices name) leaves the
@@ -127,10 +118,10 @@ def unit_time_run(schedule: Schedule) -> UnitRun:
                         by_time[t0].append(p)
                     node = make_key[pcode][s] + m  # type: ignore[operator]
                     end[node] = t1
-                    woken = waiting[node]
-                    if woken is not None:
-                        waiting[node] = None
-                        queue.extend(woken)
+                    if waiting:
+                        woken = waiting.pop(node, None)
+                        if woken:
+                            queue.extend(woken)
                 overlap_extra += len(parts) - 1
                 t0 = t1
                 i += 1
@@ -138,7 +129,7 @@ def unit_time_run(schedule: Schedule) -> UnitRun:
             free[r] = t0
     except (_BreachError, AttributeError, IndexError, TypeError):
         _fail(schedule, "a compute action is off its stage's rank or out of range, or a W follows a full B")
-    if any(pc[r] < len(programs[r]) for r in range(R)):
+    if walk.stuck():
         _fail(schedule, "the compute schedule cannot run to the end")
     # Every part ran once (as many distinct nodes ended as parts ran), every forward ran, and
     # with any backward every (stage, microbatch) has one and each I its W.

@@ -1,0 +1,78 @@
+"""The one abstract execution of rank programs, which validate, simulate and lowering drive.
+
+Every rank runs its program in order; an action runs once what it needs is there, and a rank that
+waits resumes when it is. :class:`Walk` owns that machinery: the programs (idle steps dropped),
+where each rank stands, who waits for what, whom to wake, and which ranks never finish. A driver
+takes the ranks :meth:`Walk.ranks` hands it, runs each from where it stands until an action
+waits (:meth:`Walk.wait`, then it stores its position), and announces what it makes
+(:meth:`Walk.made`).
+
+What an action needs is the dependency core's (:mod:`pipetrain.plan.dependencies`); what "runs"
+means is the driver's: a start time in unit time (lowering), under a cost model (simulate), or the
+strict or loose communication model (validate). The outcome does not depend on the order in which
+ranks are picked up. The drivers keep their per-action loops themselves: the loop is the hot path
+of planning, and a call per action would cost about a fifth of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+from pipetrain.plan.actions import Action
+
+__all__ = ["Walk"]
+
+
+class Walk:
+    """One abstract execution of the rank programs of ``actions`` (rank -> list of actions).
+
+    ``programs[r]`` is rank r's program without idle steps and ``pc[r]`` the position the driver
+    stopped at; :meth:`step` turns a position back into the schedule's step. ``first=0`` picks
+    rank 0 up first rather than the last rank (which changes nothing but the order of the run).
+    """
+
+    __slots__ = ("_steps", "actions", "pc", "programs", "queue", "waiting")
+
+    def __init__(self, actions: Mapping[int, list[Action | None]], num_ranks: int, *, first: int = -1) -> None:
+        self.actions = actions
+        self.programs: list[list[Action]] = [[a for a in actions[r] if a is not None] for r in range(num_ranks)]
+        self.pc = [0] * num_ranks
+        # Ranks are popped from the end: by default the last rank starts (``first=0``: rank 0).
+        self.queue = list(range(num_ranks - 1, -1, -1)) if first == 0 else list(range(num_ranks))
+        self.waiting: dict[int, list[int]] = {}
+        self._steps: dict[int, list[int]] = {}
+
+    def ranks(self) -> Iterator[int]:
+        """The ranks to run, each time one is (re)started; ends when no rank can go on."""
+        queue = self.queue
+        while queue:
+            yield queue.pop()
+
+    def wait(self, rank: int, key: int) -> None:
+        """``rank`` waits for ``key``."""
+        ranks = self.waiting.get(key)
+        if ranks is None:
+            self.waiting[key] = [rank]
+        else:
+            ranks.append(rank)
+
+    def made(self, key: int) -> None:
+        """``key`` is there: the ranks waiting for it go back in the queue."""
+        woken = self.waiting.pop(key, None)
+        if woken:
+            self.queue.extend(woken)
+
+    def wake(self, rank: int) -> None:
+        """Pick ``rank`` up again (validate: one of its communication groups ended)."""
+        self.queue.append(rank)
+
+    def stuck(self) -> list[int]:
+        """The ranks that did not run their whole program."""
+        return [r for r, program in enumerate(self.programs) if self.pc[r] < len(program)]
+
+    def step(self, rank: int, position: int) -> int:
+        """The schedule's step of the action at ``position`` in ``programs[rank]``."""
+        steps = self._steps.get(rank)
+        if steps is None:
+            steps = self._steps[rank] = [i for i, a in enumerate(self.actions[rank]) if a is not None]
+        return steps[position] if position < len(steps) else len(self.actions[rank])
