@@ -520,57 +520,55 @@ def _lower_bound(
         for s in range(n_st)
     }
     order = _needs_first(needs)
-    rank_of = deps.rank_of
     lead = [inf] * n_rk
     trail = [inf] * n_rk
-    chain = 0.0
-    # Earliest end of every part, needs first.
-    end = [[0.0] * n_cells for _ in range(3)]
-    for block, s in order:
-        r, rows, ends, base = rank_of[s], dur[block], end[block], s * n_mb
-        wanted = [(end[b], s2 * n_mb, comm if crosses else 0.0) for b, s2, crosses in needs[(block, s)]]
-        first = lead[r]
-        for m in range(n_mb):
-            d = rows[base + m]
-            if d is None:
-                continue
-            start = 0.0
-            for e, offset, lat in wanted:
-                x = e[offset + m] + lat
-                if x > start:
-                    start = x
-            if start < first:
-                first = start
-            x = ends[base + m] = start + d
-            if x > chain:
-                chain = x
-        lead[r] = first
-    # The longest chain from the start of every part to the end of what needs it, consumers first.
-    tail = [[0.0] * n_cells for _ in range(3)]
+    # Earliest start of every part (needs first); then the longest chain from each part's start to
+    # the end of what needs it (consumers first).
+    chain = _chains(order, needs, dur, deps, comm, lead)
     users: dict[tuple[int, int], list[tuple[int, int, bool]]] = {node: [] for node in needs}
     for (block, s), wanted_by in needs.items():
         for b, s2, crosses in wanted_by:
             users[(b, s2)].append((block, s, crosses))
-    for block, s in reversed(order):
-        r, rows, tails, base = rank_of[s], dur[block], tail[block], s * n_mb
-        after_of = [(tail[b], dur[b], s2 * n_mb, comm if crosses else 0.0) for b, s2, crosses in users[(block, s)]]
-        least = trail[r]
+    _chains(order[::-1], users, dur, deps, comm, trail)
+    per_rank = max((lead[r] + busy[r] + trail[r] for r in range(n_rk) if lead[r] != inf), default=0.0)
+    return max(chain, per_rank)
+
+
+def _chains(
+    order: list[tuple[int, int]],
+    links: dict[tuple[int, int], list[tuple[int, int, bool]]],
+    dur: list[list[float | None]],
+    deps: Dependencies,
+    comm: float,
+    least_per_rank: list[float],
+) -> float:
+    """Longest chains through ``links`` (needs, or users), parts visited in ``order``: lowers each
+    rank's ``least_per_rank`` to the shortest chain before one of its parts, returns the longest
+    chain through a part."""
+    n_mb = deps.M
+    value: list[list[float]] = [[0.0] * deps.SM for _ in range(3)]
+    longest = 0.0
+    for block, s in order:
+        r, rows, out, base = deps.rank_of[s], dur[block], value[block], s * n_mb
+        linked = [(value[b], dur[b], s2 * n_mb, comm if crosses else 0.0) for b, s2, crosses in links[(block, s)]]
+        least = least_per_rank[r]
         for m in range(n_mb):
             d = rows[base + m]
             if d is None:
                 continue
-            after = 0.0
-            for e, present, offset, lat in after_of:
+            before = 0.0
+            for v, present, offset, lat in linked:
                 if present[offset + m] is not None:
-                    x = e[offset + m] + lat
-                    if x > after:
-                        after = x
-            if after < least:
-                least = after
-            tails[base + m] = after + d
-        trail[r] = least
-    per_rank = max((lead[r] + busy[r] + trail[r] for r in range(n_rk) if lead[r] != inf), default=0.0)
-    return max(chain, per_rank)
+                    x = v[offset + m] + lat
+                    if x > before:
+                        before = x
+            if before < least:
+                least = before
+            x = out[base + m] = before + d
+            if x > longest:
+                longest = x
+        least_per_rank[r] = least
+    return longest
 
 
 def _needs_first(needs: dict[tuple[int, int], list[tuple[int, int, bool]]]) -> list[tuple[int, int]]:
