@@ -15,6 +15,29 @@ def require(condition: bool, schedule: str, constraint: str) -> None:
         raise ScheduleError(f"{schedule}: {constraint}")
 
 
+class VRank:
+    """One rank of a V (ZB-V, DualPipe-V): its stages by chunk (0 on the way down, 1 on the way
+    back), the next microbatch each chunk forwards and backwards, and the program so far."""
+
+    def __init__(self, rank: int, num_ranks: int) -> None:
+        self.stages = (rank, 2 * num_ranks - 1 - rank)
+        self.next_f = [0, 0]
+        self.next_b = [0, 0]
+        self.program: Program = []
+
+    def take_f(self, chunk: int) -> Action:
+        """The chunk's next forward (counted as issued)."""
+        action = F(self.stages[chunk], self.next_f[chunk])
+        self.next_f[chunk] += 1
+        return action
+
+    def take_b(self, chunk: int) -> tuple[int, int]:
+        """(stage, microbatch) of the chunk's next backward (counted as issued)."""
+        mb = self.next_b[chunk]
+        self.next_b[chunk] += 1
+        return self.stages[chunk], mb
+
+
 def loop_placement(num_ranks: int, stages_per_rank: int) -> dict[int, int]:
     """Stage s on rank s mod P (GPipe, 1F1B, interleaved, looped BFS)."""
     return {s: s % num_ranks for s in range(num_ranks * stages_per_rank)}

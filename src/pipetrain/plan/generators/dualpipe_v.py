@@ -27,32 +27,26 @@ from __future__ import annotations
 from collections import deque
 
 from pipetrain.plan.actions import Action
-from pipetrain.plan.generators._common import B, F, I, Program, W, make_schedule, require, v_placement
+from pipetrain.plan.generators._common import B, I, Program, VRank, W, make_schedule, require, v_placement
 from pipetrain.plan.generators._registry import generator
 from pipetrain.plan.schedule import Schedule
 
 NAME = "DualPipeV"
 
 
-class _Rank:
-    """One rank's counters: next forward and next backward per chunk, and the W queue."""
+class _Rank(VRank):
+    """A V rank that may split a backward, queueing its weight-gradient half."""
 
-    def __init__(self, stages: tuple[int, int]) -> None:
-        self.stages = stages
-        self.next_f = [0, 0]
-        self.next_b = [0, 0]
+    def __init__(self, rank: int, num_ranks: int) -> None:
+        super().__init__(rank, num_ranks)
         self.pending_w: deque[Action] = deque()
-        self.program: Program = []
 
     def fwd(self, chunk: int) -> Action:
-        action = F(self.stages[chunk], self.next_f[chunk])
-        self.next_f[chunk] += 1
-        return action
+        return self.take_f(chunk)
 
     def bwd(self, chunk: int, split: bool = False) -> Action:
         """A full backward, or its input-grad half with the weight-grad half queued."""
-        stage, mb = self.stages[chunk], self.next_b[chunk]
-        self.next_b[chunk] += 1
+        stage, mb = self.take_b(chunk)
         if split:
             self.pending_w.append(W(stage, mb))
             return I(stage, mb)
@@ -70,7 +64,7 @@ def _rank_program(rank: int, num_ranks: int, n: int) -> Program:
     """DualPipe-V's order for one rank with n >= 2p-1 microbatches."""
     p = num_ranks
     below = p - rank - 1  # ranks after this one
-    st = _Rank((rank, 2 * p - 1 - rank))
+    st = _Rank(rank, p)
     for _ in range(2 * below):
         st.emit(st.fwd(0))
     for _ in range(rank + 1):

@@ -34,58 +34,55 @@ from collections import deque
 from pipetrain.plan.actions import Action
 from pipetrain.plan.dependencies import C_F, C_I, Dependencies
 from pipetrain.plan.errors import ScheduleError
-from pipetrain.plan.generators._common import F, I, Program, W, make_schedule, require, v_placement
+from pipetrain.plan.generators._common import I, Program, VRank, W, make_schedule, require, v_placement
 from pipetrain.plan.generators._registry import generator
 from pipetrain.plan.schedule import Schedule
 
 NAME = "ZBVZeroBubble"
 
 
-class _Rank:
-    """Per-rank counters for the two chunks: next F, next I, and grads waiting for their W."""
+class _Rank(VRank):
+    """A V rank whose input-gradients wait, per chunk, for their weight-gradient."""
 
-    def __init__(self, stages: tuple[int, int]) -> None:
-        self.stages = stages
-        self.next_f = [0, 0]
-        self.next_i = [0, 0]
+    def __init__(self, rank: int, num_ranks: int) -> None:
+        super().__init__(rank, num_ranks)
         self.pending_w: tuple[deque[int], deque[int]] = (deque(), deque())
-        self.program: Program = []
 
     def f(self, chunk: int) -> None:
-        self.program.append(F(self.stages[chunk], self.next_f[chunk]))
-        self.next_f[chunk] += 1
+        self.program.append(self.take_f(chunk))
 
     def i(self, chunk: int) -> None:
-        mb = self.next_i[chunk]
-        self.program.append(I(self.stages[chunk], mb))
+        stage, mb = self.take_b(chunk)
+        self.program.append(I(stage, mb))
         self.pending_w[chunk].append(mb)
-        self.next_i[chunk] += 1
 
     def w(self, chunk: int) -> None:
         self.program.append(W(self.stages[chunk], self.pending_w[chunk].popleft()))
+
+    def fiw(self, chunk: int) -> None:
+        """F, I and W of the chunk in a row (the steady state's unit)."""
+        self.f(chunk)
+        self.i(chunk)
+        self.w(chunk)
 
 
 def _rank_program(rank: int, num_ranks: int, n: int) -> Program:
     """The paper's per-rank order for n >= 2p-1 microbatches."""
     p = num_ranks
-    st = _Rank((rank, 2 * p - 1 - rank))
+    st = _Rank(rank, p)
     for _ in range(2 * (p - rank) - 1):
         st.f(0)
     for _ in range(rank):
         st.f(1)
         st.f(0)
     for _ in range(p - rank):
-        st.f(1)
-        st.i(1)
-        st.w(1)
+        st.fiw(1)
     while st.next_f[0] < n or st.next_f[1] < st.next_f[0]:
         if st.next_f[0] < n:
             st.f(0)
         st.i(0)
         st.w(0)
-        st.f(1)
-        st.i(1)
-        st.w(1)
+        st.fiw(1)
     for _ in range(rank):
         st.i(0)
         st.i(1)
@@ -102,7 +99,7 @@ def _list_schedule(num_ranks: int, num_microbatches: int) -> dict[int, Program]:
     """Greedy unit-time order for m <= p: I before F before W, the stage nearer the loss first."""
     p, m = num_ranks, num_microbatches
     last = 2 * p - 1
-    ranks = [_Rank((r, last - r)) for r in range(p)]
+    ranks = [_Rank(r, p) for r in range(p)]
     w_order: list[deque[int]] = [deque() for _ in range(p)]  # chunks, in the order their I ran
     cap = [min(2 * m, m + 1 + r) for r in range(p)]  # no more than the trimmed pattern holds
     held = [0] * p
@@ -118,7 +115,7 @@ def _list_schedule(num_ranks: int, num_microbatches: int) -> dict[int, Program]:
         st = ranks[r]
         options: list[tuple[int, int, int]] = []
         for chunk, s in enumerate(st.stages):
-            mb = st.next_i[chunk]
+            mb = st.next_b[chunk]
             if mb < m and ready(C_I, s, mb, t):
                 options.append((0, -s, chunk))
             mb = st.next_f[chunk]
@@ -141,7 +138,7 @@ def _list_schedule(num_ranks: int, num_microbatches: int) -> dict[int, Program]:
                 st.w(w_order[r].popleft())
                 held[r] -= 1
             elif choice[0] == 0:
-                ends[deps.make_key[C_I][st.stages[choice[1]]] + st.next_i[choice[1]]] = t + 1
+                ends[deps.make_key[C_I][st.stages[choice[1]]] + st.next_b[choice[1]]] = t + 1
                 st.i(choice[1])
                 w_order[r].append(choice[1])
             else:
