@@ -34,7 +34,7 @@ from collections import deque
 from pipetrain.plan.actions import Action
 from pipetrain.plan.dependencies import C_F, C_I, Dependencies
 from pipetrain.plan.errors import ScheduleError
-from pipetrain.plan.generators._common import I, Program, VRank, W, make_schedule, require, v_placement
+from pipetrain.plan.generators._common import I, Program, VRank, W, make_schedule, require_v, v_placement
 from pipetrain.plan.generators._registry import generator
 from pipetrain.plan.schedule import Schedule
 
@@ -158,11 +158,7 @@ def _keep(action: Action, num_microbatches: int) -> bool:
 @generator(NAME, placement="v", split_backward=True)
 def build(num_ranks: int, num_microbatches: int, stages_per_rank: int | None) -> Schedule:
     """Zero bubble with 1F1B's memory: 2 chunks per rank in a V, F/I/W."""
-    require(
-        stages_per_rank in (None, 2),
-        NAME,
-        f"exactly 2 stages per rank in a V (got stages_per_rank={stages_per_rank})",
-    )
+    require_v(NAME, stages_per_rank)
     if num_microbatches <= num_ranks:
         return make_schedule(_list_schedule(num_ranks, num_microbatches), v_placement(num_ranks), num_microbatches)
     n = max(num_microbatches, 2 * num_ranks - 1)
