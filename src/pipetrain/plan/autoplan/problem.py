@@ -175,7 +175,7 @@ class Problem:
         """(makespan, sum of the ranks' finishing times): the second breaks ties in the search,
         preferring orders that leave ranks free earlier."""
         t = self.tables
-        dep1, dep2, lat1, lat2, dur, out = t.dep1, t.dep2, t.lat1, t.lat2, t.dur, t.out
+        needs, dur, out = t.needs, t.dur, t.out
         times = [-1.0] * t.num_slots
         pointers = [0] * self.num_ranks
         free = [0.0] * self.num_ranks
@@ -192,27 +192,21 @@ class Problem:
                 now = free[r]
                 while k < n:
                     c = program[k]
-                    d = dep1[c]
-                    if d >= 0:
+                    for d, lat in needs[c]:
                         x = times[d]
                         if x < 0:
-                            break
-                        x += lat1[c]
+                            break  # an input is not there yet: the rank waits here
+                        x += lat
                         if x > now:
                             now = x
-                        d = dep2[c]
+                    else:
+                        now += dur[c]
+                        d = out[c]
                         if d >= 0:
-                            x = times[d]
-                            if x < 0:
-                                break
-                            x += lat2[c]
-                            if x > now:
-                                now = x
-                    now += dur[c]
-                    d = out[c]
-                    if d >= 0:
-                        times[d] = now
-                    k += 1
+                            times[d] = now
+                        k += 1
+                        continue
+                    break
                 if k != start_k:
                     moved = True
                     pointers[r] = k
@@ -240,12 +234,11 @@ class Problem:
                     c = program[k]
                     ready = now
                     blocked = False
-                    for d, lat in ((t.dep1[c], t.lat1[c]), (t.dep2[c], t.lat2[c])):
-                        if d >= 0:
-                            if times[d] < 0:
-                                blocked = True
-                                break
-                            ready = max(ready, times[d] + lat)
+                    for d, lat in t.needs[c]:
+                        if times[d] < 0:
+                            blocked = True
+                            break
+                        ready = max(ready, times[d] + lat)
                     if blocked:
                         break
                     out[r][k] = ready
@@ -297,7 +290,7 @@ class _Tables:
     """Per-code dependency slots, latencies, durations, outputs and memory deltas, from the
     dependency core (:mod:`pipetrain.plan.dependencies`) with this problem's costs."""
 
-    __slots__ = ("delta", "dep1", "dep2", "dur", "lat1", "lat2", "num_slots", "out", "rank")
+    __slots__ = ("delta", "dep1", "dep2", "dur", "lat1", "lat2", "needs", "num_slots", "out", "rank")
 
     def __init__(self, p: Problem) -> None:
         n_st, n_mb = p.num_stages, p.num_microbatches
@@ -305,6 +298,11 @@ class _Tables:
         self.dep1, self.dep2, cross1, cross2, self.out = deps.flat((C_F, C_I, C_W, C_B))
         self.lat1 = [p.comm if c else 0.0 for c in cross1]
         self.lat2 = [p.comm if c else 0.0 for c in cross2]
+        # The same as one tuple of (slot, latency) per code, for the evaluation loops.
+        self.needs: list[tuple[tuple[int, float], ...]] = [
+            ((d1, l1), (d2, l2)) if d2 >= 0 else ((d1, l1),) if d1 >= 0 else ()
+            for d1, l1, d2, l2 in zip(self.dep1, self.lat1, self.dep2, self.lat2, strict=True)
+        ]
         self.num_slots = 3 * n_st * n_mb  # the F, X and W products
         self.dur, self.rank, self.delta = [], [], []
         for durations, sign in ((p.f, 1.0), (p.i, 0.0), (p.w, -1.0), (p.b, -1.0)):
