@@ -52,6 +52,20 @@ def test_validate_good_files(capsys: pytest.CaptureFixture[str], tmp_path: Path)
     assert out.strip() == f"{path}: valid lowered schedule, 3 ranks, 3 stages, 6 microbatches"
 
 
+def test_validate_matching_models(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Early receives run under gloo's matching, and deadlock under NCCL's strict group order."""
+    from pipetrain.plan.passes.early_recv import post_receives_early
+
+    path = tmp_path / "early.csv"
+    post_receives_early(build_schedule("1F1B", 2, 4).lower(), 4).to_csv(path)
+    code, out, _ = run(capsys, "validate", str(path), "--matching", "gloo")
+    assert code == 0
+    assert out.strip() == f"{path}: valid lowered (gloo matching) schedule, 2 ranks, 2 stages, 4 microbatches"
+    code, _, err = run(capsys, "validate", str(path))
+    assert code == 1
+    assert "rank 0, step 8, action 0B0: deadlock: waits for its 0RECV_B0 (step 0)" in err
+
+
 @pytest.mark.parametrize(
     ("content", "expected"),
     [

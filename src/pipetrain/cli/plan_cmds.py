@@ -9,6 +9,7 @@ from pipetrain.cli.arguments import add_output_argument, add_schedule_command
 from pipetrain.cli.common import schedule_from_args, schedule_output, write_schedule
 from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.schedule import Schedule
+from pipetrain.plan.validate import MATCHING, validate
 
 
 def register(subparsers: Any) -> None:
@@ -43,6 +44,13 @@ def register(subparsers: Any) -> None:
         "and rule.",
     )
     validate.add_argument("file", help="schedule file (.csv in torch's format, or .json)")
+    validate.add_argument(
+        "--matching",
+        choices=MATCHING,
+        default="nccl",
+        help="how a lowered schedule's SEND/RECV match (default nccl: in posting order, a rank's groups one after "
+        "another; gloo: each operation progresses on its own, as early receives need)",
+    )
     validate.set_defaults(func=_validate)
 
 
@@ -100,10 +108,10 @@ def _export(args: argparse.Namespace) -> int:
 def _validate(args: argparse.Namespace) -> int:
     schedule = Schedule.load(args.file)  # its errors name the file already
     try:
-        schedule.validate()
+        validate(schedule, matching=args.matching)
     except ScheduleError as err:
         raise ScheduleError(f"{args.file}: {err}") from None
-    kind = "lowered" if schedule.is_lowered else "compute-only"
+    kind = "compute-only" if not schedule.is_lowered else "lowered" if args.matching == "nccl" else "lowered (gloo matching)"
     print(
         f"{args.file}: valid {kind} schedule, {schedule.num_ranks} ranks, {schedule.num_stages} stages, "
         f"{schedule.num_microbatches} microbatches"
