@@ -111,7 +111,9 @@ def _validate(args: argparse.Namespace) -> int:
         validate(schedule, matching=args.matching)
     except ScheduleError as err:
         raise ScheduleError(f"{args.file}: {err}") from None
-    kind = "compute-only" if not schedule.is_lowered else "lowered" if args.matching == "nccl" else "lowered (gloo matching)"
+    kind = "lowered" if schedule.is_lowered else "compute-only"
+    if schedule.is_lowered and args.matching != "nccl":
+        kind += f" ({args.matching} matching)"
     print(
         f"{args.file}: valid {kind} schedule, {schedule.num_ranks} ranks, {schedule.num_stages} stages, "
         f"{schedule.num_microbatches} microbatches"
