@@ -521,9 +521,13 @@ def _execute(index: _Index, comm: _CommPlan | None, strict: bool = True) -> None
     R = schedule.num_ranks
     lowered = comm is not None
     deps = Dependencies(ids.S, M, rank_of, lowered=lowered)
-    need_keys, make_key = deps.need_keys, deps.make_key
-    sent_base = SENT * SM
-    delivered_to_sent = (RECEIVED - SENT) * SM
+    sent_base, received_base = SENT * SM, RECEIVED * SM
+    # A message is there once its RECV completed, which needs its SEND posted: of a lowered
+    # input (sent, received) only the second is waited for here.
+    need_keys = [
+        [tuple(k for k in keys if not sent_base <= k < received_base) for keys in rows] for rows in deps.need_keys
+    ]
+    make_key = deps.make_key
     done = bytearray(deps.num_keys)
     blocked = [-1] * R
     codes = CODE
@@ -556,12 +560,13 @@ def _execute(index: _Index, comm: _CommPlan | None, strict: bool = True) -> None
                         remaining[g] -= 1
                         remaining[og] -= 1
                         t = token[op] if token[op] >= 0 else token[other]
-                        done[t] = done[t - delivered_to_sent] = 1
+                        done[t] = 1
                         if waiting:
-                            made(t)
-                            made(t - delivered_to_sent)
+                            woken = waiting.pop(t, None)
+                            if woken:
+                                queue.extend(woken)
                         if not remaining[og]:
-                            walk.wake(group_rank[og])
+                            queue.append(group_rank[og])
             if remaining[g] and strict:
                 break
             h += 1
@@ -649,7 +654,9 @@ def _run_overlap(
     it made); else (the key it waits on, [])."""
     M, SM = index.ids.M, index.ids.SM
     own = [deps.part_makes(part)[0] for part in action.parts]
-    pending = [t for part in action.parts for t in deps.part_needs(part) if not done[t] and t not in own]
+    received = RECEIVED * SM  # (a message is waited for as received: see _execute)
+    needs = [t for part in action.parts for t in deps.part_needs(part) if not SENT * SM <= t < received]
+    pending = [t for t in needs if not done[t] and t not in own]
     for t in pending:
         if t < SENT * SM and index.rank_of[(t % SM) // M] == rank:
             raise later(rank, step, action, t)
