@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from pipetrain.plan import Costs, Schedule, ScheduleError, build_schedule, schedule_names, simulate
 from pipetrain.plan.actions import Action
 from pipetrain.plan.autoplan.problem import Problem
-from pipetrain.plan.dependencies import CODE, Dependencies, carried, consumer, route
+from pipetrain.plan.dependencies import CODE, Dependencies
 from pipetrain.plan.generators import family
 from pipetrain.plan.passes._timing import unit_time_run
 from pipetrain.plan.passes.early_recv import post_receives_early
@@ -151,10 +151,13 @@ def test_rules_by_hand() -> None:
     f = lowered.part_needs(Action.parse("1F1"))  # type: ignore[arg-type]
     assert f == [3 * SM + 1, 5 * SM + 1]  # the message of 0F1: sent, and received
     send, recv = Action.parse("0SEND_F1"), Action.parse("1RECV_F1")
-    assert carried(send, 3, 4) == carried(recv, 3, 4) == 1  # type: ignore[arg-type]
-    assert route(Action.parse("1SEND_B2"), 3, 4) == (SM + 6, 1, 0)  # type: ignore[arg-type]
-    assert consumer(SM + 6, 3, 4) == SM + 2 and consumer(1, 3, 4) == 5
-    assert carried(Action.parse("0RECV_F1"), 3, 4) == -1  # type: ignore[arg-type]
+    assert lowered.carried(send) == lowered.carried(recv) == 1  # type: ignore[arg-type]
+    assert lowered.route(Action.parse("1SEND_B2")) == (SM + 6, 1, 0)  # type: ignore[arg-type]
+    assert lowered.consumer(SM + 6) == SM + 2 and lowered.consumer(1) == 5
+    assert lowered.carried(Action.parse("0RECV_F1")) == -1  # type: ignore[arg-type]
+    assert lowered.feeds == [[1, 2, -1], [-1, 0, 1]] and lowered.fed_by == [[-1, 0, 1], [1, 2, -1]]
+    # Derived, not restated: the outgoing carriers follow the placement.
+    assert [o and o[2] for o in deps.outgoing[CODE["F"]]] == [1, 2, None]
 
 
 def test_matching_model_is_checked() -> None:

@@ -40,11 +40,7 @@ __all__ = [
     "X_DONE",
     "Dependencies",
     "Ids",
-    "carried",
-    "consumer",
-    "cross_rank_flags",
     "kind_code",
-    "route",
 ]
 
 F_DONE, X_DONE, W_DONE, SENT, RECEIVED = 0, 1, 2, 3, 5
@@ -78,63 +74,29 @@ def kind_code(kind: ActionKind) -> int:
     return CODE[kind._value_]
 
 
-def cross_rank_flags(rank_of: Sequence[int]) -> tuple[list[bool], list[bool]]:
-    """For each stage: is the previous / next stage on another rank (a message, not memory)?"""
-    n = len(rank_of)
-    prev = [s > 0 and rank_of[s - 1] != rank_of[s] for s in range(n)]
-    nxt = [s < n - 1 and rank_of[s + 1] != rank_of[s] for s in range(n)]
-    return prev, nxt
-
-
-def route(action: Action, num_stages: int, num_microbatches: int) -> tuple[int, int, int]:
-    """(producer node, producing stage, consuming stage) of the message a SEND or RECV carries.
-
-    At the pipeline's ends a stage is out of range (a first stage receives no forward input).
-    """
-    code, s, m, M = CODE[action.kind._value_], action.stage, action.microbatch, num_microbatches
-    assert m is not None
-    if code == C_SEND_F:
-        return s * M + m, s, s + 1
-    if code == C_RECV_F:
-        return (s - 1) * M + m, s - 1, s
-    SM = num_stages * M
-    if code == C_SEND_B:
-        return SM + s * M + m, s, s - 1
-    return SM + (s + 1) * M + m, s + 1, s
-
-
-def carried(action: Action, num_stages: int, num_microbatches: int) -> int:
-    """The producer node whose product a SEND or RECV carries; -1 where no stage makes it."""
-    node, src, dst = route(action, num_stages, num_microbatches)
-    return node if 0 <= src < num_stages and 0 <= dst < num_stages else -1
-
-
-def consumer(node: int, num_stages: int, num_microbatches: int) -> int:
-    """The compute node on the receiving stage that consumes ``node``'s message: F(s,m) feeds
-    F(s+1,m), the input-gradient X(s,m) feeds X(s-1,m)."""
-    return node + num_microbatches if node < num_stages * num_microbatches else node - num_microbatches
-
-
 class Dependencies:
     """The rules for one layout: ``needs[code][s]`` and ``makes[code][s]`` per kind code and stage.
 
     ``lowered``: cross-rank inputs are messages (SENT + RECEIVED keys) rather than the producer's
-    product. Same-rank inputs are the producer's product either way. ``sends[code][s]``: whether
-    the product of a compute part of that kind on stage s is needed on another rank.
+    product. Same-rank inputs are the producer's product either way. The rows built in
+    :meth:`_rows` are the only statement of the rules; everything else here is derived from them:
+    which stage a product feeds (``feeds``), which stage an input comes from (``fed_by``), whether
+    a product leaves its rank (``sends``), which SEND/RECV carry it (``outgoing``), and what a SEND
+    or RECV carries (:meth:`route`).
     """
 
     __slots__ = (
         "M",
         "S",
         "SM",
+        "fed_by",
+        "feeds",
         "lowered",
         "make_key",
         "makes",
         "need_keys",
         "needs",
-        "next_cross",
         "outgoing",
-        "prev_cross",
         "rank_of",
         "routes",
         "sends",
@@ -146,46 +108,63 @@ class Dependencies:
         self.S, self.M, self.SM = S, M, SM
         self.rank_of = list(rank_of)
         self.lowered = lowered
-        self.prev_cross, self.next_cross = cross_rank_flags(self.rank_of)
         self.needs: list[list[tuple[Need, ...]]] = [[] for _ in range(_NUM_RULED)]
         self.makes: list[list[tuple[int, ...]]] = [[] for _ in range(_NUM_RULED)]
+        # Products (F, X) by stage: the other stage whose part needs it, and for each stage's F
+        # and X, the other stage whose product it needs (-1: none).
+        self.feeds = [[-1] * S, [-1] * S]
+        self.fed_by = [[-1] * S, [-1] * S]
         for s in range(S):
-            cell = s * M
-            fwd_in = self._input(F_DONE * SM + cell - M, self.prev_cross[s]) if s > 0 else ()
-            grad_in = self._input(X_DONE * SM + cell + M, self.next_cross[s]) if s < S - 1 else ()
-            own_f = ((F_DONE * SM + cell, False),)
-            rows: list[tuple[tuple[Need, ...], tuple[int, ...]]] = [
-                (fwd_in, (F_DONE * SM + cell,)),  # F
-                (own_f + grad_in, (X_DONE * SM + cell,)),  # B
-                (own_f + grad_in, (X_DONE * SM + cell,)),  # I
-                (((X_DONE * SM + cell, False),), (W_DONE * SM + cell,)),  # W
-                ((), ()),  # OVERLAP_F_B: its parts' rules
-                (((F_DONE * SM + cell, False),), (SENT * SM + F_DONE * SM + cell,)),  # SEND_F
-                (((X_DONE * SM + cell, False),), (SENT * SM + X_DONE * SM + cell,)),  # SEND_B
-                ((), (RECEIVED * SM + F_DONE * SM + cell - M,)),  # RECV_F: the output of s-1
-                ((), (RECEIVED * SM + X_DONE * SM + cell + M,)),  # RECV_B: the input-gradient of s+1
-            ]
-            for code, (need, make) in enumerate(rows):
+            for code, (need, make) in enumerate(self._rows(s, lowered)):
                 self.needs[code].append(need)
                 self.makes[code].append(make)
+            for block, code in ((F_DONE, C_F), (X_DONE, C_I)):
+                for key, _ in self._rows(s, False)[code][0]:
+                    producer_block, producer_stage = key // SM, key % SM // M
+                    if producer_block == block and producer_stage != s:
+                        self.feeds[block][producer_stage] = s
+                        self.fed_by[block][s] = producer_stage
         # The same without the crossing flags, and a compute part's one product, for hot loops.
         self.need_keys = [[tuple(key for key, _ in row) for row in rows] for rows in self.needs]
         self.make_key = [[row[0] if row else -1 for row in rows] for rows in self.makes]
-        # The inverse of the input rules: a forward's output goes to s+1, an input-gradient to s-1.
-        self.sends: list[list[bool]] = [self.next_cross, self.prev_cross, self.prev_cross, [False] * S]
-        # What a compute part's product becomes when it crosses ranks: (SEND kind, RECV kind, stage
-        # receiving it) per F, B and I code and stage; None where it stays on the rank.
-        fwd = [(ActionKind.SEND_F, ActionKind.RECV_F, s + 1) if self.next_cross[s] else None for s in range(S)]
-        grad = [(ActionKind.SEND_B, ActionKind.RECV_B, s - 1) if self.prev_cross[s] else None for s in range(S)]
-        self.outgoing: list[list[tuple[ActionKind, ActionKind, int] | None]] = [fwd, grad, grad]
-        # route() as templates, for SEND_F, SEND_B, RECV_F, RECV_B: (node base, source, destination).
-        probe = [Action(s, kind, 0) for kind in _COMM_KINDS for s in range(S)]
-        self.routes: dict[str, list[tuple[int, int, int]]] = {
-            kind._value_: [route(a, S, M) for a in probe[k * S : (k + 1) * S]] for k, kind in enumerate(_COMM_KINDS)
-        }
+        r = self.rank_of
+        leaves = [[d >= 0 and r[d] != r[s] for s, d in enumerate(self.feeds[b])] for b in (F_DONE, X_DONE)]
+        self.sends: list[list[bool]] = [leaves[0], leaves[1], leaves[1], [False] * S]  # F, B, I, W
+        # Which SEND and RECV carry a product that leaves its rank (torch's names: _F for forward
+        # outputs, _B for input-gradients), and to which stage.
+        carriers = ((ActionKind.SEND_F, ActionKind.RECV_F), (ActionKind.SEND_B, ActionKind.RECV_B))
+        out = [[(*carriers[b], self.feeds[b][s]) if leaves[b][s] else None for s in range(S)] for b in (F_DONE, X_DONE)]
+        self.outgoing: list[list[tuple[ActionKind, ActionKind, int] | None]] = [out[0], out[1], out[1]]
+        # route() as templates per SEND/RECV kind and stage: (node base, source, destination).
+        self.routes: dict[str, list[tuple[int, int, int]]] = {}
+        for b, (send, recv) in enumerate(carriers):
+            self.routes[send._value_] = [(b * SM + s * M, s, self.feeds[b][s]) for s in range(S)]
+            self.routes[recv._value_] = [(b * SM + self.fed_by[b][s] * M, self.fed_by[b][s], s) for s in range(S)]
 
-    def _input(self, producer: int, crosses: bool) -> tuple[Need, ...]:
-        if crosses and self.lowered:
+    def _rows(self, s: int, lowered: bool) -> list[tuple[tuple[Need, ...], tuple[int, ...]]]:
+        """What each kind of action on stage ``s`` needs and makes (DESIGN.md §2), by kind code."""
+        S, M, SM = self.S, self.M, self.SM
+        cell = s * M
+        fwd_in = self._input(s, F_DONE * SM + cell - M, lowered) if s > 0 else ()
+        grad_in = self._input(s, X_DONE * SM + cell + M, lowered) if s < S - 1 else ()
+        own_f = ((F_DONE * SM + cell, False),)
+        return [
+            (fwd_in, (F_DONE * SM + cell,)),  # F: the output of s-1
+            (own_f + grad_in, (X_DONE * SM + cell,)),  # B: its forward, the input-gradient of s+1
+            (own_f + grad_in, (X_DONE * SM + cell,)),  # I: the same
+            (((X_DONE * SM + cell, False),), (W_DONE * SM + cell,)),  # W: its I
+            ((), ()),  # OVERLAP_F_B: its parts' rules
+            (((F_DONE * SM + cell, False),), (SENT * SM + F_DONE * SM + cell,)),  # SEND_F
+            (((X_DONE * SM + cell, False),), (SENT * SM + X_DONE * SM + cell,)),  # SEND_B
+            ((), (RECEIVED * SM + F_DONE * SM + cell - M,)),  # RECV_F: the output of s-1
+            ((), (RECEIVED * SM + X_DONE * SM + cell + M,)),  # RECV_B: the input-gradient of s+1
+        ]
+
+    def _input(self, stage: int, producer: int, lowered: bool) -> tuple[Need, ...]:
+        """How a part on ``stage`` waits for ``producer``'s product: directly, or (lowered, from
+        another rank) as a message sent and received."""
+        crosses = self.rank_of[producer % self.SM // self.M] != self.rank_of[stage]
+        if crosses and lowered:
             return ((SENT * self.SM + producer, True), (RECEIVED * self.SM + producer, False))
         return ((producer, crosses),)
 
@@ -207,7 +186,7 @@ class Dependencies:
     def flat(self, codes: Sequence[int]) -> tuple[list[int], list[int], list[bool], list[bool], list[int]]:
         """Per-action tables for compute-only search: for action number ``j*SM + s*M + m`` of the
         ``j``-th kind code in ``codes``: its first and second need (-1: none), whether each crosses
-        ranks, and what it makes (its first product)."""
+        ranks, and what it makes."""
         S, M, SM = self.S, self.M, self.SM
         size = len(codes) * SM
         need1, need2 = [-1] * size, [-1] * size
@@ -216,17 +195,30 @@ class Dependencies:
         for j, code in enumerate(codes):
             for s in range(S):
                 base = j * SM + s * M
-                needs = self.needs[code][s]
-                if needs:
-                    key, crosses = needs[0]
-                    need1[base : base + M] = range(key, key + M)
-                    cross1[base : base + M] = [crosses] * M
-                if len(needs) > 1:
-                    key, crosses = needs[1]
-                    need2[base : base + M] = range(key, key + M)
-                    cross2[base : base + M] = [crosses] * M
-                made[base : base + M] = range(self.makes[code][s][0], self.makes[code][s][0] + M)
+                for (key, crosses), keys, flags in zip(
+                    self.needs[code][s], (need1, need2), (cross1, cross2), strict=False
+                ):
+                    keys[base : base + M] = range(key, key + M)
+                    flags[base : base + M] = [crosses] * M
+                made[base : base + M] = range(self.make_key[code][s], self.make_key[code][s] + M)
         return need1, need2, cross1, cross2, made
+
+    def route(self, action: Action) -> tuple[int, int, int]:
+        """(producer node, producing stage, consuming stage) of the message a SEND or RECV carries;
+        a stage is -1 at the pipeline's ends (a first stage receives no forward input)."""
+        node, src, dst = self.routes[action.kind._value_][action.stage]
+        return node + action.microbatch, src, dst  # type: ignore[operator]
+
+    def carried(self, action: Action) -> int:
+        """The producer node whose product a SEND or RECV carries; -1 where no stage makes it."""
+        node, src, dst = self.route(action)
+        return node if src >= 0 and dst >= 0 else -1
+
+    def consumer(self, node: int) -> int:
+        """The compute node on another stage that consumes ``node``'s product (F or X)."""
+        block, cell = divmod(node, self.SM)
+        stage, m = divmod(cell, self.M)
+        return block * self.SM + self.feeds[block][stage] * self.M + m
 
 
 class Ids:

@@ -55,7 +55,6 @@ from pipetrain.plan.dependencies import (
     SENT,
     Dependencies,
     Ids,
-    carried,
     kind_code,
 )
 from pipetrain.plan.errors import ScheduleError
@@ -95,6 +94,7 @@ class SimResult:
     lowered: bool
     _events: list[tuple[int, Action, float, float, int]] = field(repr=False, default_factory=list)
     _values: list[float | None] | None = field(repr=False, default=None)  # lowered: message post times
+    _deps: Dependencies | None = field(repr=False, default=None)  # lowered: what each message carries
 
     @property
     def idle(self) -> dict[int, float]:
@@ -161,8 +161,8 @@ class SimResult:
     def _sorted_events(self) -> list[tuple[int, Action, float, float, int]]:
         events = self._events
         if self._values is not None:
-            n_mb, n_st = self.num_microbatches, self.num_stages
-            events = _with_delivery_times(events, self._values, n_mb, n_st, self.costs.comm)
+            assert self._deps is not None
+            events = _with_delivery_times(events, self._values, self._deps, self.costs.comm)
         return sorted(events, key=lambda e: (e[0], e[2], e[3]))
 
     def summary(self) -> dict[str, Any]:
@@ -418,22 +418,22 @@ def _simulate(schedule: Schedule, costs: Costs | None) -> SimResult:
         lowered=lowered,
         _events=events,
         _values=value if lowered else None,
+        _deps=deps if lowered else None,
     )
 
 
 def _with_delivery_times(
     events: list[tuple[int, Action, float, float, int]],
     value: list[float | None],
-    n_mb: int,
-    n_st: int,
+    deps: Dependencies,
     comm: float,
 ) -> list[tuple[int, Action, float, float, int]]:
     """SEND/RECV events last from their post until the message is usable on the receiver."""
-    n_cells = n_st * n_mb
+    n_cells = deps.SM
     out: list[tuple[int, Action, float, float, int]] = []
     for rank, action, start, end, pred in events:
         if action.kind.is_comm:
-            node = carried(action, n_st, n_mb)
+            node = deps.carried(action)
             if node >= 0:  # a message no stage makes has no delivery
                 send, recv = value[SENT * n_cells + node], value[RECEIVED * n_cells + node]
                 if send is not None:

@@ -34,6 +34,8 @@ from pipetrain.plan._graph import (
 )
 from pipetrain.plan.actions import Action
 from pipetrain.plan.dependencies import (
+    C_F,
+    C_I,
     C_OVERLAP,
     C_RECV_B,
     CODE,
@@ -41,8 +43,6 @@ from pipetrain.plan.dependencies import (
     SENT,
     Dependencies,
     Ids,
-    consumer,
-    cross_rank_flags,
 )
 from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.execution import Walk
@@ -350,7 +350,8 @@ class _CommPlan:
         gid = -1
         has_backward = index.has_backward
         msg_base = RECEIVED * SM
-        routes = Dependencies(S, M, rank_of, lowered=True).routes
+        self.deps = deps = Dependencies(S, M, rank_of, lowered=True)
+        routes = deps.routes
         last_rank, last_step = -1, -2
         current: list[int] = []
         for op, (rank, step, action) in enumerate(zip(self.op_rank, self.op_step, self.op_action, strict=True)):
@@ -372,7 +373,7 @@ class _CommPlan:
                 send_op[msg] = op
                 sends.setdefault(rank * R + rank_of[dst], []).append(op)
             else:
-                user = consumer(msg, S, M)
+                user = deps.consumer(msg)
                 if recv_op[msg] >= 0 or node_step[user] < step:
                     _order_error(index, rank, step, action, recv_op[msg], user, self.op_step)
                 recv_op[msg] = op
@@ -396,9 +397,10 @@ class _CommPlan:
         """Every dependency between stages on different ranks has one SEND and one RECV."""
         ids, rank_of, node_step = index.ids, index.rank_of, index.node_step
         S, M, SM = ids.S, ids.M, ids.SM
-        prev_cross, next_cross = cross_rank_flags(rank_of)
+        deps = self.deps
+        leaves = deps.sends
         for s in range(S):
-            for grad, cross in ((0, next_cross[s]), (1, prev_cross[s])):
+            for grad, cross in ((0, leaves[C_F][s]), (1, leaves[C_I][s])):
                 if not cross or (grad and not index.has_backward):
                     continue
                 lo = grad * SM + s * M
@@ -412,7 +414,7 @@ class _CommPlan:
                             f"{recv.stage} on rank {rank_of[recv.stage]}, but no {send} follows it"
                         )
                     if recv_op[msg] < 0:
-                        user = consumer(msg, S, M)
+                        user = deps.consumer(msg)
                         raise ScheduleError(
                             f"{_where(rank_of[recv.stage], node_step[user], _node_name(index, user))}: needs "
                             f"{producer_name(send)} from rank {rank_of[s]}, but no {recv} comes before it (the {send} at "

@@ -20,7 +20,7 @@ send its peer makes only after this rank's later groups: the pass is for per-tag
 from __future__ import annotations
 
 from pipetrain.plan.actions import Action, ActionKind
-from pipetrain.plan.dependencies import route
+from pipetrain.plan.dependencies import Dependencies
 from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.schedule import Schedule
 
@@ -47,16 +47,15 @@ def post_receives_early(schedule: Schedule, ahead: int) -> Schedule:
     return schedule._derived(out)
 
 
-def _peer(action: Action, where: dict[int, int]) -> int:
-    """The rank that sends what ``action`` receives (the core's route; sizes do not matter to it)."""
-    return where[route(action, len(where), 1)[1]]
-
-
 def early_receives(program: list[Action | None], where: dict[int, int]) -> list[Action]:
     """The receives of ``program`` that may move: all of those from peers that send it gradients."""
+    stages = len(where)
+    # Who sends what a receive receives is the core's route (the microbatch count does not matter).
+    routes = Dependencies(stages, 1, [where[s] for s in range(stages)], lowered=True)
     recvs = [a for a in program if a is not None and (a.kind is _RECV_F or a.kind is _RECV_B)]
-    peers = {_peer(a, where) for a in recvs if a.kind is _RECV_B}
-    return [a for a in recvs if _peer(a, where) in peers]
+    sender = {a: where[routes.route(a)[1]] for a in recvs}
+    peers = {sender[a] for a in recvs if a.kind is _RECV_B}
+    return [a for a in recvs if sender[a] in peers]
 
 
 def _rank(program: list[Action | None], where: dict[int, int], ahead: int) -> list[Action | None]:
