@@ -64,7 +64,8 @@ CODE: dict[str, int] = {
 }
 _NUM_RULED = C_RECV_B + 1  # kinds with a template (OVERLAP_F_B's is its parts')
 
-_COMM_KINDS = (ActionKind.SEND_F, ActionKind.SEND_B, ActionKind.RECV_F, ActionKind.RECV_B)
+# Which SEND and RECV carry a product (torch's names): F products as _F, input-gradients as _B.
+_CARRIERS = ((ActionKind.SEND_F, ActionKind.RECV_F), (ActionKind.SEND_B, ActionKind.RECV_B))
 
 Need = tuple[int, bool]
 """(key base, crosses ranks): the key is ``base + m``; a crossing need waits for the message latency."""
@@ -132,7 +133,7 @@ class Dependencies:
         self.sends: list[list[bool]] = [leaves[0], leaves[1], leaves[1], [False] * S]  # F, B, I, W
         # Which SEND and RECV carry a product that leaves its rank (torch's names: _F for forward
         # outputs, _B for input-gradients), and to which stage.
-        carriers = ((ActionKind.SEND_F, ActionKind.RECV_F), (ActionKind.SEND_B, ActionKind.RECV_B))
+        carriers = _CARRIERS
         out = [[(*carriers[b], self.feeds[b][s]) if leaves[b][s] else None for s in range(S)] for b in (F_DONE, X_DONE)]
         self.outgoing: list[list[tuple[ActionKind, ActionKind, int] | None]] = [out[0], out[1], out[1]]
         # route() as templates per SEND/RECV kind and stage: (node base, source, destination).
@@ -214,6 +215,13 @@ class Dependencies:
         node, src, dst = self.route(action)
         return node if src >= 0 and dst >= 0 else -1
 
+    def message_actions(self, node: int) -> tuple[Action, Action]:
+        """The (SEND, RECV) pair carrying ``node``'s product to the stage it feeds."""
+        block, cell = divmod(node, self.SM)
+        stage, m = divmod(cell, self.M)
+        send, recv = _CARRIERS[block]
+        return Action(stage, send, m), Action(self.feeds[block][stage], recv, m)
+
     def consumer(self, node: int) -> int:
         """The compute node on another stage that consumes ``node``'s product (F or X)."""
         block, cell = divmod(node, self.SM)
@@ -222,10 +230,9 @@ class Dependencies:
 
 
 class Ids:
-    """Node and message numbering for ``num_stages`` × ``num_microbatches`` (the keys above).
-
-    Nodes: ``F`` at ``s*M + m``, ``X`` at ``SM + s*M + m``, ``W`` at ``2SM + s*M + m``. A message
-    is named by the node whose product it carries.
+    """Node numbering for ``num_stages`` × ``num_microbatches`` (the keys above): ``F`` at
+    ``s*M + m``, ``X`` at ``SM + s*M + m``, ``W`` at ``2SM + s*M + m``. A message is named by the
+    node whose product it carries (:meth:`Dependencies.message_actions`).
     """
 
     __slots__ = ("M", "S", "SM")
@@ -240,11 +247,3 @@ class Ids:
         group, rest = divmod(node, self.SM)
         stage, mb = divmod(rest, self.M)
         return Action(stage, (ActionKind.F, ActionKind.B, ActionKind.W)[group], mb)
-
-    def message_actions(self, msg: int) -> tuple[Action, Action]:
-        """The (SEND, RECV) pair carrying message ``msg``."""
-        grad, rest = divmod(msg, self.SM)
-        stage, mb = divmod(rest, self.M)
-        if grad:
-            return Action(stage, ActionKind.SEND_B, mb), Action(stage - 1, ActionKind.RECV_B, mb)
-        return Action(stage, ActionKind.SEND_F, mb), Action(stage + 1, ActionKind.RECV_F, mb)

@@ -605,7 +605,9 @@ def _deadlock_message(
             what = f"{node} (on rank {schedule.stage_to_rank.get(node.stage)})"
         else:
             block = key // n_cells
-            send, recv = ids.message_actions(key - (SENT if block < RECEIVED else RECEIVED) * n_cells)
+            rank_of = [schedule.stage_to_rank.get(s, -1) for s in range(schedule.num_stages)]
+            deps = Dependencies(schedule.num_stages, n_mb, rank_of, lowered=False)
+            send, recv = deps.message_actions(key - (SENT if block < RECEIVED else RECEIVED) * n_cells)
             what = (
                 f"message {send} from rank {schedule.stage_to_rank.get(send.stage)}"
                 if block < RECEIVED

@@ -407,7 +407,7 @@ class _CommPlan:
                 if min(send_op[lo : lo + M]) >= 0 and min(recv_op[lo : lo + M]) >= 0:
                     continue
                 for msg in range(lo, lo + M):
-                    send, recv = ids.message_actions(msg)
+                    send, recv = deps.message_actions(msg)
                     if send_op[msg] < 0:
                         raise ScheduleError(
                             f"{_where(rank_of[s], node_step[msg], _node_name(index, msg))}: its output goes to stage "
