@@ -417,7 +417,7 @@ class _CommPlan:
                         user = deps.consumer(msg)
                         raise ScheduleError(
                             f"{_where(rank_of[recv.stage], node_step[user], _node_name(index, user))}: needs "
-                            f"{producer_name(send)} from rank {rank_of[s]}, but no {recv} comes before it (the {send} at "
+                            f"{producer_name(deps, send)} from rank {rank_of[s]}, but no {recv} comes before it (the {send} at "
                             f"step {self.op_step[send_op[msg]]} on rank {rank_of[s]} has no matching RECV)"
                         )
 
@@ -434,7 +434,7 @@ class _CommPlan:
                         raise ScheduleError(
                             f"{_where(b_rank, self.op_step[r_op], self.op_action[r_op])}: FIFO order mismatch: message "
                             f"{k + 1} from rank {a_rank} to rank {b_rank} is {self.op_action[s_op]} (rank {a_rank}, "
-                            f"step {self.op_step[s_op]}), but this RECV expects {producer_name(self.op_action[r_op])}; "
+                            f"step {self.op_step[s_op]}), but this RECV expects {producer_name(self.deps, self.op_action[r_op])}; "
                             "sends and receives between two ranks must be posted in the same order"
                         )
                 raise AssertionError("unreachable: every message has one SEND and one RECV")  # pragma: no cover
@@ -471,16 +471,12 @@ def _order_error(
     )
 
 
-def producer_name(action: Action) -> str:
+def producer_name(deps: Dependencies, action: Action) -> str:
     """For a SEND or RECV, the message it carries in words."""
-    kind, s, m = action.kind, action.stage, action.microbatch
-    if kind is SEND_F:
-        return f"the output of {s}F{m}"
-    if kind is RECV_F:
-        return f"the output of {s - 1}F{m}"
-    if kind is SEND_B:
-        return f"the input-gradient of stage {s} microbatch {m}"
-    return f"the input-gradient of stage {s + 1} microbatch {m}"
+    node, src, _ = deps.route(action)
+    if node < deps.SM:
+        return f"the output of {src}F{action.microbatch}"
+    return f"the input-gradient of stage {src} microbatch {action.microbatch}"
 
 
 # ------------------------------------------------------------ FSDP and gradients
