@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from pipetrain.plan.autoplan import SECONDS_PER_ACTION, Orders, Problem, construct, polish
+from pipetrain.plan.autoplan import SECONDS_PER_ACTION, Orders, Problem, construct, polish, uses_windows
 from pipetrain.plan.costs import Costs
 from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.generators import build_schedule, family, schedule_names
@@ -223,9 +223,9 @@ def plan_schedule(
 
     rng = random.Random(seed)
     found: list[tuple[float, Problem, Orders]] = []
-    # With two layouts, each gets a first look (list scheduling and local search); the better one
-    # then gets what time is left (CP-SAT over windows when ortools is installed).
-    several = len(problems) > 1
+    # With two layouts that CP-SAT can take, each gets a first look (list scheduling and local
+    # search); the better one then gets what time is left for CP-SAT over windows.
+    several = len(problems) > 1 and all(uses_windows(p) for p in problems)
     first_until = time.perf_counter() + (_FIRST_LOOK_SHARE if several else 1.0) * (deadline - time.perf_counter())
     for index, problem in enumerate(problems):
         share = (first_until - time.perf_counter()) / (len(problems) - index)

@@ -17,11 +17,11 @@ from pipetrain.plan.autoplan.greedy import Policy, list_schedule
 from pipetrain.plan.autoplan.improve import improve
 from pipetrain.plan.autoplan.problem import KIND_B, KIND_I, KIND_W, Orders, Problem
 
-__all__ = ["SECONDS_PER_ACTION", "Orders", "Policy", "Problem", "construct", "merge_backward", "polish"]
+__all__ = ["SECONDS_PER_ACTION", "Orders", "Policy", "Problem", "construct", "merge_backward", "polish", "uses_windows"]
 
 _GREEDY_SHARE = 0.35  # of the time: list scheduling under the rule grid and random restarts
 _EXACT_SHARE = 0.5  # of what is left, for CP-SAT when ortools is installed and the problem is small
-_EXACT_MAX_ACTIONS = 3200
+_EXACT_MAX_ACTIONS = 1000  # beyond, windows gain less than local search
 SECONDS_PER_ACTION = 4e-5
 
 
@@ -107,7 +107,7 @@ def construct(
         return None
     pool.sort(key=lambda item: item[0])
     if polish_share is None:
-        polish_share = _EXACT_SHARE if _use_exact(problem) else 0.0
+        polish_share = _EXACT_SHARE if uses_windows(problem) else 0.0
     improve_until = deadline - polish_share * max(0.0, deadline - time.perf_counter())
     best, makespan = improve(problem, pool[0][1], improve_until, rng)
     if makespan == float("inf"):
@@ -115,7 +115,9 @@ def construct(
     return polish(problem, best, makespan, deadline, rng)
 
 
-def _use_exact(problem: Problem) -> bool:
+def uses_windows(problem: Problem) -> bool:
+    """Whether :func:`polish` searches ``problem`` with CP-SAT over windows (ortools installed, a
+    small enough problem in integer ticks)."""
     size = 3 * problem.num_stages * problem.num_microbatches
     return size <= _EXACT_MAX_ACTIONS and exact.available() and exact.solvable(problem)
 
@@ -128,7 +130,7 @@ def polish(
     more local search. A backward whose W directly follows its I is then run as one B."""
     best = orders
     if deadline - time.perf_counter() > 0.1:
-        if _use_exact(problem):
+        if uses_windows(problem):
             found, (score, _) = exact.improve_windows(problem, best, deadline, rng)
         else:
             found, score = improve(problem, best, deadline, rng)

@@ -248,12 +248,15 @@ def improve_windows(
                         model.add(built.end[previous] <= built.start[c])
                     previous = c
         solver = cp_model.CpSolver()
-        limit = min(_WINDOW_SECONDS, deadline - time.perf_counter() - overrun)
+        whole = share >= 1.0  # the whole problem: all the time that is left, two workers
+        limit = deadline - time.perf_counter() - overrun
+        limit = limit if whole else min(_WINDOW_SECONDS, limit)
         solver.parameters.max_time_in_seconds = max(0.01, limit)
-        solver.parameters.num_workers = 1
+        solver.parameters.num_workers = 2 if whole else 1
         solver.parameters.random_seed = rng.randrange(1 << 30)
-        solver.parameters.cp_model_probing_level = 0  # probing and symmetry take longer than
-        solver.parameters.symmetry_level = 0  # a window's search
+        if not whole:
+            solver.parameters.cp_model_probing_level = 0  # probing and symmetry take longer
+            solver.parameters.symmetry_level = 0  # than a window's search
         posed = time.perf_counter()
         status = solver.solve(model)
         overrun = max(overrun, time.perf_counter() - posed - limit)
@@ -267,6 +270,6 @@ def improve_windows(
             score[0] < best_score[0] - _EPS or (score[0] <= best_score[0] + _EPS and score[1] <= best_score[1] + _EPS)
         ) and problem.fits(found):
             best, best_score = found, score
-        if t0 < 0 and t1 == float("inf") and status == cp_model.OPTIMAL:
+        if whole and status == cp_model.OPTIMAL:
             break  # the whole problem is solved: nothing left to find
     return best, best_score
