@@ -16,31 +16,51 @@ of planning, and a call per action would cost about a fifth of it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import Generic, TypeVar
 
 from pipetrain.plan.actions import Action
 
 __all__ = ["Walk"]
 
+T = TypeVar("T")
 
-class Walk:
-    """One abstract execution of the rank programs of ``actions`` (rank -> list of actions).
 
-    ``programs[r]`` is rank r's program without idle steps and ``pc[r]`` the position the driver
-    stopped at; :meth:`step` turns a position back into the schedule's step. ``first=0`` picks
-    rank 0 up first rather than the last rank (which changes nothing but the order of the run).
+class Walk(Generic[T]):
+    """One abstract execution of rank programs.
+
+    ``programs[r]`` is rank r's program: the actions of ``actions[r]`` that ``keep`` keeps (by
+    default all but idle steps), or the driver's own encoding of them (validate runs integers);
+    ``pc[r]`` is the position the driver stopped at, and :meth:`step` turns a position back into
+    the schedule's step. ``first=0`` picks rank 0 up first rather than the last rank (which changes
+    nothing but the order of the run).
     """
 
-    __slots__ = ("_steps", "actions", "pc", "programs", "queue", "waiting")
+    __slots__ = ("_steps", "actions", "keep", "pc", "programs", "queue", "waiting")
 
-    def __init__(self, actions: Mapping[int, list[Action | None]], num_ranks: int, *, first: int = -1) -> None:
+    def __init__(
+        self,
+        programs: list[list[T]],
+        actions: Mapping[int, list[Action | None]],
+        keep: Callable[[Action], bool] | None = None,
+        *,
+        first: int = -1,
+    ) -> None:
         self.actions = actions
-        self.programs: list[list[Action]] = [[a for a in actions[r] if a is not None] for r in range(num_ranks)]
+        self.keep = keep
+        self.programs = programs
+        num_ranks = len(programs)
         self.pc = [0] * num_ranks
         # Ranks are popped from the end: by default the last rank starts (``first=0``: rank 0).
         self.queue = list(range(num_ranks - 1, -1, -1)) if first == 0 else list(range(num_ranks))
         self.waiting: dict[int, list[int]] = {}
         self._steps: dict[int, list[int]] = {}
+
+    @staticmethod
+    def of(actions: Mapping[int, list[Action | None]], num_ranks: int, *, first: int = -1) -> Walk[Action]:
+        """A walk over the schedule's actions themselves, idle steps dropped."""
+        programs = [[a for a in actions[r] if a is not None] for r in range(num_ranks)]
+        return Walk(programs, actions, first=first)
 
     def ranks(self) -> Iterator[int]:
         """The ranks to run, each time one is (re)started; ends when no rank can go on."""
@@ -74,5 +94,8 @@ class Walk:
         """The schedule's step of the action at ``position`` in ``programs[rank]``."""
         steps = self._steps.get(rank)
         if steps is None:
-            steps = self._steps[rank] = [i for i, a in enumerate(self.actions[rank]) if a is not None]
+            keep = self.keep
+            steps = self._steps[rank] = [
+                i for i, a in enumerate(self.actions[rank]) if a is not None and (keep is None or keep(a))
+            ]
         return steps[position] if position < len(steps) else len(self.actions[rank])

@@ -314,7 +314,7 @@ def _simulate(schedule: Schedule, costs: Costs | None) -> SimResult:
     waiting_on: dict[int, int] = {}
     num_sends = 0
     last_delivery = 0.0
-    walk = Walk(schedule.actions, n_rk, first=0)
+    walk = Walk.of(schedule.actions, n_rk, first=0)
     pc, waiters, ready = walk.pc, walk.waiting, walk.queue
     for r in walk.ranks():
         program = walk.programs[r]

@@ -36,9 +36,7 @@ from pipetrain.plan.actions import Action
 from pipetrain.plan.dependencies import (
     C_F,
     C_I,
-    C_OVERLAP,
-    C_RECV_B,
-    CODE,
+    C_W,
     RECEIVED,
     SENT,
     Dependencies,
@@ -76,6 +74,11 @@ class _Index:
     comm_action: list[Action] = field(default_factory=list)
     reduce: list[tuple[int, int, Action]] = field(default_factory=list)
     lowered_actions: int = 0  # SEND/RECV, UNSHARD/RESHARD and REDUCE_GRAD seen
+    # Each rank's program as the abstract execution runs it: a compute part's node, 3SM + j for
+    # the j-th OVERLAP_F_B (in ``overlaps``), -(k + 1) for the k-th SEND/RECV; FSDP actions and
+    # REDUCE_GRAD, which wait for nothing, are left out.
+    programs: list[list[int]] = field(default_factory=list)
+    overlaps: list[Action] = field(default_factory=list)
 
 
 def validate(schedule: Schedule, *, matching: str = "nccl") -> None:
@@ -134,8 +137,8 @@ def _scan(schedule: Schedule) -> _Index:
     has_backward = False
     comm_rank, comm_step, comm_action = index.comm_rank, index.comm_step, index.comm_action
 
-    def record(part: Action, rank: int, step: int, action: Action) -> None:
-        """The slow path for one compute part (OVERLAP_F_B parts, and errors)."""
+    def record(part: Action, rank: int, step: int, action: Action) -> int:
+        """The slow path for one compute part (OVERLAP_F_B parts, and errors); its node."""
         nonlocal has_backward
         s, m, pk = part.stage, part.microbatch, part.kind
         if s >= S or rank_of[s] != rank or m is None or m >= M:
@@ -168,8 +171,13 @@ def _scan(schedule: Schedule) -> _Index:
                 "(and no RESHARD come between)"
             )
         node_step[node] = step
+        return node
 
+    n_nodes = 3 * SM
+    overlaps = index.overlaps
     for rank in range(schedule.num_ranks):
+        program: list[int] = []
+        index.programs.append(program)
         for step, action in enumerate(schedule.actions[rank]):
             if action is None:
                 continue
@@ -183,8 +191,9 @@ def _scan(schedule: Schedule) -> _Index:
                     node = s * M + m  # type: ignore[operator]
                     if node_step[node] < 0:
                         node_step[node] = step
+                        program.append(node)
                         continue
-                record(action, rank, step, action)
+                program.append(record(action, rank, step, action))
             elif kind is W or kind is I:
                 s, m = action.stage, action.microbatch
                 if s < S and rank_of[s] == rank and m < M and not shard[s] & 2:  # type: ignore[operator]
@@ -195,13 +204,16 @@ def _scan(schedule: Schedule) -> _Index:
                         if kind is I:
                             x_kind[sm] = _X_I
                         has_backward = True
+                        program.append(node)
                         continue
-                record(action, rank, step, action)
+                program.append(record(action, rank, step, action))
             elif kind is B:
-                record(action, rank, step, action)
+                program.append(record(action, rank, step, action))
             elif kind is OVERLAP:
                 for part in action.parts:
                     record(part, rank, step, action)
+                program.append(n_nodes + len(overlaps))
+                overlaps.append(action)
             else:
                 index.lowered_actions += 1
                 s, m = action.stage, action.microbatch
@@ -223,6 +235,7 @@ def _scan(schedule: Schedule) -> _Index:
                 elif kind is REDUCE_GRAD:
                     index.reduce.append((rank, step, action))
                 else:
+                    program.append(-len(comm_rank) - 1)
                     comm_rank.append(rank)
                     comm_step.append(step)
                     comm_action.append(action)
@@ -509,9 +522,10 @@ def _execute(index: _Index, comm: _CommPlan | None, strict: bool = True) -> None
     """Run every rank's program abstractly; raise naming each stuck rank if some never finish.
 
     Tokens are the dependency core's keys: compute products (done when the part ran) and, on
-    lowered schedules, messages (SENT and RECEIVED, both done when the RECV carrying it completed).
-    What an action waits for is the core's rule. ``strict``: a rank's communication groups run
-    one after another (NCCL); otherwise every posted operation progresses on its own (gloo).
+    lowered schedules, messages (done as received when the RECV carrying it completed). What an
+    action waits for is the core's rule; the programs are the scan's integer encoding of them.
+    ``strict``: a rank's communication groups run one after another (NCCL); otherwise every
+    posted operation progresses on its own (gloo).
     """
     schedule = index.schedule
     ids, rank_of = index.ids, index.rank_of
@@ -519,16 +533,11 @@ def _execute(index: _Index, comm: _CommPlan | None, strict: bool = True) -> None
     R = schedule.num_ranks
     lowered = comm is not None
     deps = Dependencies(ids.S, M, rank_of, lowered=lowered)
-    sent_base, received_base = SENT * SM, RECEIVED * SM
-    # A message is there once its RECV completed, which needs its SEND posted: of a lowered
-    # input (sent, received) only the second is waited for here.
-    need_keys = [
-        [tuple(k for k in keys if not sent_base <= k < received_base) for keys in rows] for rows in deps.need_keys
-    ]
-    make_key = deps.make_key
+    sent_base = SENT * SM
+    need1, need2 = _node_needs(deps)
+    n_nodes = 3 * SM
     done = bytearray(deps.num_keys)
     blocked = [-1] * R
-    codes = CODE
 
     # Communication state (lowered schedules only).
     issued = [0] * R
@@ -576,9 +585,9 @@ def _execute(index: _Index, comm: _CommPlan | None, strict: bool = True) -> None
             f"(step {index.node_step[need]}); a dependency on the same rank must come first"
         )
 
-    walk = Walk(schedule.actions, R)
+    walk = Walk(index.programs, schedule.actions, _runs)
     programs, pc, waiting, queue = walk.programs, walk.pc, walk.waiting, walk.queue
-    made = walk.made
+    overlaps = index.overlaps
     for r in walk.ranks():
         if head[r] < issued[r]:  # start the groups it posted that could not start before
             start_groups(r)
@@ -586,43 +595,39 @@ def _execute(index: _Index, comm: _CommPlan | None, strict: bool = True) -> None
         n = len(program)
         i = pc[r]
         while i < n:
-            a = program[i]
-            code = codes[a.kind._value_]
-            if code < C_OVERLAP:
-                m = a.microbatch
-                t = -1
-                for key in need_keys[code][a.stage]:
-                    if not done[key + m]:  # type: ignore[operator]
-                        t = key + m  # type: ignore[operator]
-                        break
+            x = program[i]
+            if 0 <= x < n_nodes:  # a compute part: runs once its (at most two) inputs are there
+                t = need1[x]
+                if t < 0 or done[t]:
+                    t = need2[x]
+                    if t < 0 or done[t]:
+                        done[x] = 1
+                        if waiting:
+                            woken = waiting.pop(x, None)
+                            if woken:
+                                queue.extend(woken)
+                        i += 1
+                        continue
+            elif x >= n_nodes:
+                step = walk.step(r, i)
+                t, ran = _run_overlap(index, deps, overlaps[x - n_nodes], r, step, done, same_rank_later)
                 if t < 0:
-                    node = make_key[code][a.stage] + m  # type: ignore[operator]
-                    done[node] = 1
-                    if waiting:
+                    for node in ran:
                         woken = waiting.pop(node, None)
                         if woken:
                             queue.extend(woken)
                     i += 1
                     continue
-            elif code == C_OVERLAP:
-                t, ran = _run_overlap(index, deps, a, r, walk.step(r, i), done, same_rank_later)
-                if t < 0:
-                    for node in ran:
-                        made(node)
-                    i += 1
-                    continue
-            elif code > C_RECV_B:  # UNSHARD, RESHARD, REDUCE_GRAD: checked by the scan
-                i += 1
-                continue
-            else:  # SEND/RECV: post the group they start
+            else:  # SEND/RECV: post the group it starts
                 assert comm is not None
-                g = rank_groups[r][issued[r]]
+                g = comm.op_group[-x - 1]
                 issued[r] += 1
                 i += len(group_ops[g])
                 start_groups(r)
                 continue
             if t < sent_base and rank_of[(t % SM) // M] == r:
-                raise same_rank_later(r, walk.step(r, i), a, t)
+                step = walk.step(r, i)
+                raise same_rank_later(r, step, schedule.actions[r][step], t)  # type: ignore[arg-type]
             if blocked[r] != t:
                 blocked[r] = t
                 waiting.setdefault(t, []).append(r)
@@ -637,6 +642,26 @@ def _execute(index: _Index, comm: _CommPlan | None, strict: bool = True) -> None
         others = "".join(f"; also {w}: {y}" for w, y in reasons[1:8])
         more = f"; and {len(reasons) - 8} more stuck ranks" if len(reasons) > 8 else ""
         raise ScheduleError(f"{where}: deadlock: {why}{others}{more}")
+
+
+def _runs(action: Action) -> bool:
+    """Whether the abstract execution runs ``action`` (FSDP actions and REDUCE_GRAD wait for nothing)."""
+    return action.kind is not UNSHARD and action.kind is not RESHARD and action.kind is not REDUCE_GRAD
+
+
+def _node_needs(deps: Dependencies) -> tuple[list[int], list[int]]:
+    """Per compute node (F, X, W), the keys it waits for: the core's rules, a message from
+    another rank waited for as received only (its RECV completing implies its SEND was posted)."""
+    S, M, SM = deps.S, deps.M, deps.SM
+    sent, received = SENT * SM, RECEIVED * SM
+    need1, need2 = [-1] * (3 * SM), [-1] * (3 * SM)
+    for block, code in ((0, C_F), (1, C_I), (2, C_W)):  # X is B's or I's product: the same needs
+        for s in range(S):
+            keys = [k for k in deps.need_keys[code][s] if not sent <= k < received]
+            base = block * SM + s * M
+            for column, key in zip((need1, need2), keys, strict=False):
+                column[base : base + M] = range(key, key + M)
+    return need1, need2
 
 
 def _run_overlap(

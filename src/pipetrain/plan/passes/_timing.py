@@ -64,7 +64,7 @@ def unit_time_run(schedule: Schedule) -> UnitRun:
     end = [-1] * (3 * SM)
     free = [0] * R
     codes = CODE
-    walk = Walk(schedule.actions, R)
+    walk = Walk.of(schedule.actions, R)
     programs, pc, waiting, queue = walk.programs, walk.pc, walk.waiting, walk.queue
 
     try:
