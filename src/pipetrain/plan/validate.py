@@ -373,7 +373,7 @@ class _CommPlan:
             msg, src, dst = routes[kind._value_][action.stage]
             msg += action.microbatch  # type: ignore[operator]
             is_send = kind is SEND_F or kind is SEND_B
-            if dst < 0 or dst >= S or src < 0 or src >= S or (msg >= SM and not has_backward):
+            if dst < 0 or src < 0 or (msg >= SM and not has_backward):  # (the core's routes stay in range)
                 _endpoint_error(index, rank, step, action)
             if rank_of[src] == rank_of[dst]:
                 raise ScheduleError(
@@ -386,7 +386,7 @@ class _CommPlan:
                 send_op[msg] = op
                 sends.setdefault(rank * R + rank_of[dst], []).append(op)
             else:
-                user = deps.consumer(msg)
+                user = msg + (dst - src) * M  # the same product's node on the receiving stage
                 if recv_op[msg] >= 0 or node_step[user] < step:
                     _order_error(index, rank, step, action, recv_op[msg], user, self.op_step)
                 recv_op[msg] = op
