@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from pipetrain.plan.autoplan import SECONDS_PER_ACTION, Orders, Problem, construct, polish, uses_windows
+from pipetrain.plan.autoplan import SECONDS_PER_ACTION, Orders, Problem, construct, exact, polish, uses_windows
 from pipetrain.plan.costs import Costs
 from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.generators import build_schedule, family, schedule_names
@@ -223,6 +223,8 @@ def plan_schedule(
 
     rng = random.Random(seed)
     found: list[tuple[float, Problem, Orders]] = []
+    if any(uses_windows(p) for p in problems):
+        exact.preload()  # in the background: ready, unless cold, by the time windows are searched
     # With two layouts that CP-SAT can take, each gets a first look (list scheduling and local
     # search); the better one then gets what time is left for CP-SAT over windows.
     several = len(problems) > 1 and all(uses_windows(p) for p in problems)

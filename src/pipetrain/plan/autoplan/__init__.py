@@ -129,8 +129,9 @@ def polish(
     CP-SAT over windows of time when ortools is installed and the problem fits the model, else
     more local search. A backward whose W directly follows its I is then run as one B."""
     best = orders
-    if deadline - time.perf_counter() > 0.1:
-        if uses_windows(problem):
+    left = deadline - time.perf_counter()
+    if left > 0.1:
+        if uses_windows(problem) and exact.ready():
             found, (score, _) = exact.improve_windows(problem, best, deadline, rng)
         else:
             found, score = improve(problem, best, deadline, rng)

@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import importlib.util
 import random
+import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from pipetrain.plan.autoplan.problem import KIND_B, KIND_F, KIND_I, KIND_W, Orders, Problem
 
-__all__ = ["Exact", "available", "improve_windows", "solvable", "solve", "split_backward"]
+__all__ = ["Exact", "available", "improve_windows", "preload", "ready", "solvable", "solve", "split_backward"]
 
 _EPS = 1e-9
 _WINDOW_ACTIONS = 100  # a first window holds about this many actions; then it adapts
@@ -29,6 +31,23 @@ _WINDOW_SECONDS = 0.4  # CP-SAT's time for one window, at most
 def available() -> bool:
     """Whether ortools is installed."""
     return importlib.util.find_spec("ortools") is not None
+
+
+_loading: threading.Thread | None = None
+
+
+def preload() -> None:
+    """Start importing CP-SAT in the background (about a second from a cold start), once a process,
+    so that a search can go on meanwhile; :func:`ready` says when it is there."""
+    global _loading
+    if _loading is None and "ortools.sat.python.cp_model" not in sys.modules:
+        _loading = threading.Thread(target=importlib.import_module, args=("ortools.sat.python.cp_model",), daemon=True)
+        _loading.start()
+
+
+def ready() -> bool:
+    """Whether CP-SAT is imported (a search that cannot wait uses local search instead)."""
+    return "ortools.sat.python.cp_model" in sys.modules and (_loading is None or not _loading.is_alive())
 
 
 def solvable(problem: Problem, scale: int = 10) -> bool:
@@ -223,10 +242,10 @@ def improve_windows(
     base.minimize(built.makespan * (n_rk * built.horizon + 1) + sum(rank_end))
     total = sum(len(o) for o in best)
     share = min(1.0, _WINDOW_ACTIONS / max(1, total))  # of the makespan a window spans
-    overrun = 0.05  # how far past its time limit a solve has run (CP-SAT's presolve may)
+    overrun = 0.15  # how far past its time limit a solve may run (CP-SAT's presolve, under load)
     while True:
         left = deadline - time.perf_counter()
-        if left < 0.05 + 2 * overrun:
+        if left < 0.1 + overrun:
             break
         starts = problem.starts(best)
         span = best_score[0]
@@ -235,6 +254,8 @@ def improve_windows(
         else:
             width = share * span
             t0 = rng.uniform(-0.2 * width, span - 0.6 * width)
+            if left < 2 * _WINDOW_SECONDS:
+                t0 = max(t0, span - width)  # near the deadline, the end: a small model, a quick presolve
             t1 = t0 + width
         model = base.clone()
         built.hint(model, best, rank_end)
@@ -259,9 +280,14 @@ def improve_windows(
             solver.parameters.symmetry_level = 0  # than a window's search
         posed = time.perf_counter()
         status = solver.solve(model)
-        overrun = max(overrun, time.perf_counter() - posed - limit)
-        # Widen the window while CP-SAT closes it in time, narrow it when it does not.
-        share = min(1.0, share * 1.25) if status == cp_model.OPTIMAL else max(0.02, share * 0.8)
+        past = time.perf_counter() - posed - limit
+        overrun = max(overrun, past)
+        # Widen the window while CP-SAT closes it in time, narrow it when it does not (and halve
+        # it when CP-SAT ran past its limit: a large model's presolve does).
+        if status == cp_model.OPTIMAL:
+            share = min(1.0, share * 1.25)
+        else:
+            share = max(0.02, share * (0.5 if past > 0.05 else 0.8))
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             continue
         found = built.orders(solver)
