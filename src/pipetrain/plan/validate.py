@@ -175,6 +175,7 @@ def _scan(schedule: Schedule) -> _Index:
 
     n_nodes = 3 * SM
     overlaps = index.overlaps
+    lowered_actions = 0
     for rank in range(schedule.num_ranks):
         program: list[int] = []
         index.programs.append(program)
@@ -215,7 +216,7 @@ def _scan(schedule: Schedule) -> _Index:
                 program.append(n_nodes + len(overlaps))
                 overlaps.append(action)
             else:
-                index.lowered_actions += 1
+                lowered_actions += 1
                 s, m = action.stage, action.microbatch
                 if s >= S or rank_of[s] != rank or (m is not None and m >= M):
                     _check_place(action, rank, step, rank_of, M)
@@ -240,6 +241,7 @@ def _scan(schedule: Schedule) -> _Index:
                     comm_step.append(step)
                     comm_action.append(action)
     index.has_backward = has_backward
+    index.lowered_actions = lowered_actions
     _check_unshard_first(index, first_unshard)
     return index
 
