@@ -104,7 +104,7 @@ def unit_time_run(schedule: Schedule) -> UnitRun:
                 row.append(t0)
                 t1 = t0 + 1
                 for p in parts:
-                    pcode = codes[p.kind._value_]
+                    pcode = code if p is a else codes[p.kind._value_]
                     s, m = p.stage, p.microbatch
                     if rank_of[s] != r or m >= M:  # type: ignore[operator]
                         raise _BreachError
