@@ -34,6 +34,7 @@ _MAX_STAGES_PER_RANK = 4
 _LIKELY_BEST = ("ZBVZeroBubble", "InterleavedZeroBubble", "DualPipeV", "ZBH2", "ZBH1", "Interleaved1F1B", "1F1B")
 _NAMED_SHARE = 0.4  # of the time limit, at most, for building and simulating named schedules
 _FIRST_LOOK_SHARE = 0.45  # of the search time, for a first look at every layout
+_PRELOAD_WORTH = 3.0  # seconds of time limit, at least, to spend one importing CP-SAT
 
 
 @dataclass(frozen=True)
@@ -223,8 +224,8 @@ def plan_schedule(
 
     rng = random.Random(seed)
     found: list[tuple[float, Problem, Orders]] = []
-    if any(uses_windows(p) for p in problems):
-        exact.preload()  # in the background: ready, unless cold, by the time windows are searched
+    if time_limit >= _PRELOAD_WORTH and not exact.ready() and exact.available():
+        exact.preload()  # within the time limit: the search below gets what is left
     # With two layouts that CP-SAT can take, each gets a first look (list scheduling and local
     # search); the better one then gets what time is left for CP-SAT over windows.
     several = len(problems) > 1 and all(uses_windows(p) for p in problems)
@@ -238,10 +239,17 @@ def plan_schedule(
         result = construct(problem, seeds, time.perf_counter() + 0.92 * share, rng, 0.0 if several else None)
         if result is not None:
             found.append((result[1], problem, result[0]))
+    if several:
+        # Best first; a polish that ends early (CP-SAT proved a small problem optimal) leaves the
+        # rest of the time to the next layout.
+        found.sort(key=lambda item: item[0])
+        polished: list[tuple[float, Problem, Orders]] = []
+        for makespan, problem, orders in found:
+            orders, makespan = polish(problem, orders, makespan, deadline, rng)
+            polished.append((makespan, problem, orders))
+        found = polished
     if found:
         makespan, problem, orders = min(found, key=lambda item: item[0])
-        if several:
-            orders, makespan = polish(problem, orders, makespan, deadline, rng)
         if best_named is None or makespan < best_named.result.makespan - 1e-9:
             schedule = problem.to_schedule(orders)
             memory = max(problem.peak(o) for o in orders)

@@ -116,10 +116,10 @@ def construct(
 
 
 def uses_windows(problem: Problem) -> bool:
-    """Whether :func:`polish` searches ``problem`` with CP-SAT over windows (ortools installed, a
-    small enough problem in integer ticks)."""
+    """Whether :func:`polish` searches ``problem`` with CP-SAT over windows (ortools imported, see
+    :func:`.exact.preload`; a small enough problem in integer ticks)."""
     size = 3 * problem.num_stages * problem.num_microbatches
-    return size <= _EXACT_MAX_ACTIONS and exact.available() and exact.solvable(problem)
+    return size <= _EXACT_MAX_ACTIONS and exact.ready() and exact.solvable(problem)
 
 
 def polish(
@@ -131,7 +131,7 @@ def polish(
     best = orders
     left = deadline - time.perf_counter()
     if left > 0.1:
-        if uses_windows(problem) and exact.ready():
+        if uses_windows(problem):
             found, (score, _) = exact.improve_windows(problem, best, deadline, rng)
         else:
             found, score = improve(problem, best, deadline, rng)

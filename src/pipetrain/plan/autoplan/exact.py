@@ -14,7 +14,6 @@ from __future__ import annotations
 import importlib.util
 import random
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -33,21 +32,15 @@ def available() -> bool:
     return importlib.util.find_spec("ortools") is not None
 
 
-_loading: threading.Thread | None = None
-
-
 def preload() -> None:
-    """Start importing CP-SAT in the background (about a second from a cold start), once a process,
-    so that a search can go on meanwhile; :func:`ready` says when it is there."""
-    global _loading
-    if _loading is None and "ortools.sat.python.cp_model" not in sys.modules:
-        _loading = threading.Thread(target=importlib.import_module, args=("ortools.sat.python.cp_model",), daemon=True)
-        _loading.start()
+    """Import CP-SAT now: about a second from a cold start, once a process. The planner does it
+    only when its time limit can spare that; :func:`ready` says whether it is there."""
+    importlib.import_module("ortools.sat.python.cp_model")
 
 
 def ready() -> bool:
-    """Whether CP-SAT is imported (a search that cannot wait uses local search instead)."""
-    return "ortools.sat.python.cp_model" in sys.modules and (_loading is None or not _loading.is_alive())
+    """Whether CP-SAT is imported (else the planner polishes by local search)."""
+    return "ortools.sat.python.cp_model" in sys.modules
 
 
 def solvable(problem: Problem, scale: int = 10) -> bool:
