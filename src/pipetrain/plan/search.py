@@ -20,7 +20,16 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from pipetrain.plan.autoplan import SECONDS_PER_ACTION, Orders, Problem, construct, exact, polish, uses_windows
+from pipetrain.plan.autoplan import (
+    SECONDS_PER_ACTION,
+    Orders,
+    Problem,
+    construct,
+    exact,
+    polish,
+    uses_windows,
+    windows_fit,
+)
 from pipetrain.plan.costs import Costs
 from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.generators import build_schedule, family, schedule_names
@@ -224,7 +233,7 @@ def plan_schedule(
 
     rng = random.Random(seed)
     found: list[tuple[float, Problem, Orders]] = []
-    if time_limit >= _PRELOAD_WORTH and not exact.ready() and exact.available():
+    if time_limit >= _PRELOAD_WORTH and not exact.ready() and any(windows_fit(p) for p in problems):
         exact.preload()  # within the time limit: the search below gets what is left
     # With two layouts that CP-SAT can take, each gets a first look (list scheduling and local
     # search); the better one then gets what time is left for CP-SAT over windows.

@@ -17,7 +17,17 @@ from pipetrain.plan.autoplan.greedy import Policy, list_schedule
 from pipetrain.plan.autoplan.improve import improve
 from pipetrain.plan.autoplan.problem import KIND_B, KIND_I, KIND_W, Orders, Problem
 
-__all__ = ["SECONDS_PER_ACTION", "Orders", "Policy", "Problem", "construct", "merge_backward", "polish", "uses_windows"]
+__all__ = [
+    "SECONDS_PER_ACTION",
+    "Orders",
+    "Policy",
+    "Problem",
+    "construct",
+    "merge_backward",
+    "polish",
+    "uses_windows",
+    "windows_fit",
+]
 
 _GREEDY_SHARE = 0.35  # of the time: list scheduling under the rule grid and random restarts
 _EXACT_SHARE = 0.5  # of what is left, for CP-SAT when ortools is installed and the problem is small
@@ -115,11 +125,17 @@ def construct(
     return polish(problem, best, makespan, deadline, rng)
 
 
-def uses_windows(problem: Problem) -> bool:
-    """Whether :func:`polish` searches ``problem`` with CP-SAT over windows (ortools imported, see
-    :func:`.exact.preload`; a small enough problem in integer ticks)."""
+def windows_fit(problem: Problem) -> bool:
+    """Whether CP-SAT over windows can take ``problem`` (ortools installed; a small enough problem
+    in integer ticks)."""
     size = 3 * problem.num_stages * problem.num_microbatches
-    return size <= _EXACT_MAX_ACTIONS and exact.ready() and exact.solvable(problem)
+    return size <= _EXACT_MAX_ACTIONS and exact.available() and exact.solvable(problem)
+
+
+def uses_windows(problem: Problem) -> bool:
+    """Whether :func:`polish` searches ``problem`` with CP-SAT over windows: it fits and CP-SAT is
+    imported (see :func:`.exact.preload`)."""
+    return exact.ready() and windows_fit(problem)
 
 
 def polish(
