@@ -15,15 +15,6 @@ def require(condition: bool, schedule: str, constraint: str) -> None:
         raise ScheduleError(f"{schedule}: {constraint}")
 
 
-def require_v(schedule: str, stages_per_rank: int | None) -> None:
-    """A V holds exactly two stages per rank."""
-    require(
-        stages_per_rank in (None, 2),
-        schedule,
-        f"exactly 2 stages per rank in a V (got stages_per_rank={stages_per_rank})",
-    )
-
-
 class VRank:
     """One rank of a V (ZB-V, DualPipe-V): its stages by chunk (0 on the way down, 1 on the way
     back), the next microbatch each chunk forwards and backwards, and the program so far."""

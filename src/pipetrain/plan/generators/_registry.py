@@ -19,7 +19,8 @@ class ScheduleFamily:
 
     What the runtime derives its schedule class from (``pipetrain.schedules``): ``stages_per_rank``
     (1: exactly one stage per rank, torch's ``PipelineScheduleSingle``; None: any number) and
-    ``torch_class`` (the class name; ``"Schedule" + name`` when empty).
+    ``torch_class`` (the class name; ``"Schedule" + name`` when empty). ``several`` names the
+    family to use for several stages per rank, in the error a single-stage family gives.
     """
 
     name: str
@@ -30,6 +31,7 @@ class ScheduleFamily:
     summary: str = ""
     stages_per_rank: int | None = None
     torch_class: str = ""
+    several: str = ""
 
     @property
     def class_name(self) -> str:
@@ -59,6 +61,7 @@ def generator(
     aliases: tuple[str, ...] = (),
     stages_per_rank: int | None = None,
     torch_class: str = "",
+    several: str = "",
 ) -> Callable[[Builder], Builder]:
     """Register the decorated builder as the schedule family ``name``; the first line of its
     docstring is the family's summary. A new schedule is one module with one decorated function."""
@@ -76,6 +79,7 @@ def generator(
                 summary=summary,
                 stages_per_rank=stages_per_rank,
                 torch_class=torch_class,
+                several=several,
             )
         )
         return build
@@ -113,7 +117,19 @@ def build_schedule(name: str, num_ranks: int, num_microbatches: int, stages_per_
         isinstance(stages_per_rank, bool) or not isinstance(stages_per_rank, int) or stages_per_rank < 1
     ):
         raise ScheduleError(f"{fam.name}: stages_per_rank must be an integer >= 1, got {stages_per_rank!r}")
+    _check_stages_per_rank(fam, stages_per_rank)
     with gc_paused():  # hundreds of thousands of small acyclic objects at scale
         schedule = fam.build(num_ranks, num_microbatches, stages_per_rank)
     schedule.name = fam.name
     return schedule
+
+
+def _check_stages_per_rank(fam: ScheduleFamily, stages_per_rank: int | None) -> None:
+    """What the family declares: one stage per rank, or two in a V."""
+    if stages_per_rank is None:
+        return
+    if fam.stages_per_rank == 1 and stages_per_rank != 1:
+        hint = f"; use {fam.several} for several" if fam.several else ""
+        raise ScheduleError(f"{fam.name}: one stage per rank (got stages_per_rank={stages_per_rank}){hint}")
+    if fam.placement == "v" and stages_per_rank != 2:
+        raise ScheduleError(f"{fam.name}: exactly 2 stages per rank in a V (got stages_per_rank={stages_per_rank})")

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections import deque
 
 from pipetrain.plan.actions import Action
-from pipetrain.plan.generators._common import B, I, Program, VRank, W, make_schedule, require_v, v_placement
+from pipetrain.plan.generators._common import B, I, Program, VRank, W, make_schedule, v_placement
 from pipetrain.plan.generators._registry import generator
 from pipetrain.plan.schedule import Schedule
 
@@ -115,7 +115,6 @@ def _restrict(action: Action | None, num_microbatches: int) -> Action | None:
 @generator(NAME, placement="v", split_backward=True)
 def build(num_ranks: int, num_microbatches: int, stages_per_rank: int | None) -> Schedule:
     """DeepSeek's DualPipe cut in half: V placement, overlapped F&B pairs."""
-    require_v(NAME, stages_per_rank)
     n = max(num_microbatches, 2 * num_ranks - 1)
     programs: dict[int, Program] = {}
     for rank in range(num_ranks):

@@ -6,21 +6,16 @@ microbatches' activations at its peak.
 
 from __future__ import annotations
 
-from pipetrain.plan.generators._common import B, F, Program, loop_placement, make_schedule, require
+from pipetrain.plan.generators._common import B, F, Program, loop_placement, make_schedule
 from pipetrain.plan.generators._registry import generator
 from pipetrain.plan.schedule import Schedule
 
 NAME = "GPipe"
 
 
-@generator(NAME, placement="loop", stages_per_rank=1, split_backward=False)
+@generator(NAME, placement="loop", stages_per_rank=1, split_backward=False, several="LoopedBFS")
 def build(num_ranks: int, num_microbatches: int, stages_per_rank: int | None) -> Schedule:
     """All forwards, then all backwards."""
-    require(
-        stages_per_rank in (None, 1),
-        NAME,
-        f"one stage per rank (got stages_per_rank={stages_per_rank}); use LoopedBFS for several",
-    )
     programs: dict[int, Program] = {}
     for rank in range(num_ranks):
         program: Program = [F(rank, m) for m in range(num_microbatches)]

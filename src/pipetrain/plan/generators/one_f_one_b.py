@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pipetrain.plan.actions import Action
-from pipetrain.plan.generators._common import B, F, Program, loop_placement, make_schedule, require
+from pipetrain.plan.generators._common import B, F, Program, loop_placement, make_schedule
 from pipetrain.plan.generators._registry import generator
 from pipetrain.plan.schedule import Schedule
 
@@ -34,14 +34,9 @@ def one_forward_one_backward(forwards: Sequence[Action], backwards: Sequence[Act
     return program
 
 
-@generator(NAME, placement="loop", stages_per_rank=1, split_backward=False)
+@generator(NAME, placement="loop", stages_per_rank=1, split_backward=False, several="Interleaved1F1B")
 def build(num_ranks: int, num_microbatches: int, stages_per_rank: int | None) -> Schedule:
     """One forward, one backward; rank r holds at most p - r microbatches."""
-    require(
-        stages_per_rank in (None, 1),
-        NAME,
-        f"one stage per rank (got stages_per_rank={stages_per_rank}); use Interleaved1F1B for several",
-    )
     mbs = range(num_microbatches)
     programs: dict[int, Program] = {
         rank: one_forward_one_backward(

@@ -22,7 +22,7 @@ of them first, and ZB-H2 shortens its W deferral to what the remaining microbatc
 
 from __future__ import annotations
 
-from pipetrain.plan.generators._common import Program, loop_placement, make_schedule, require
+from pipetrain.plan.generators._common import Program, loop_placement, make_schedule
 from pipetrain.plan.generators._registry import generator
 from pipetrain.plan.generators.interleaved_zb import split_backward_program
 from pipetrain.plan.schedule import Schedule
@@ -37,27 +37,17 @@ def rank_program(rank: int, num_microbatches: int, warmup: int, w_delay: int) ->
     return split_backward_program(order, order, warmup, w_delay)
 
 
-def _check_one_stage(name: str, stages_per_rank: int | None) -> None:
-    require(
-        stages_per_rank in (None, 1),
-        name,
-        f"one stage per rank (got stages_per_rank={stages_per_rank}); use InterleavedZeroBubble for several",
-    )
-
-
-@generator(H1, placement="loop", stages_per_rank=1, split_backward=True)
+@generator(H1, placement="loop", stages_per_rank=1, split_backward=True, several="InterleavedZeroBubble")
 def build_h1(num_ranks: int, num_microbatches: int, stages_per_rank: int | None) -> Schedule:
     """Zero bubble H1: 1F1B's memory, a third of its bubble (W deferred into the cool-down)."""
-    _check_one_stage(H1, stages_per_rank)
     p = num_ranks
     programs = {r: rank_program(r, num_microbatches, warmup=p - r, w_delay=r) for r in range(p)}
     return make_schedule(programs, loop_placement(p, 1), num_microbatches)
 
 
-@generator(H2, placement="loop", stages_per_rank=1, split_backward=True)
+@generator(H2, placement="loop", stages_per_rank=1, split_backward=True, several="InterleavedZeroBubble")
 def build_h2(num_ranks: int, num_microbatches: int, stages_per_rank: int | None) -> Schedule:
     """Zero bubble H2: no idle time inside a rank's span, at up to 2p-1 activations."""
-    _check_one_stage(H2, stages_per_rank)
     p, m = num_ranks, num_microbatches
     programs: dict[int, Program] = {}
     for r in range(p):

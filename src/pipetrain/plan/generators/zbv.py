@@ -34,7 +34,7 @@ from collections import deque
 from pipetrain.plan.actions import Action
 from pipetrain.plan.dependencies import C_F, C_I, Dependencies
 from pipetrain.plan.errors import ScheduleError
-from pipetrain.plan.generators._common import I, Program, VRank, W, make_schedule, require_v, v_placement
+from pipetrain.plan.generators._common import I, Program, VRank, W, make_schedule, v_placement
 from pipetrain.plan.generators._registry import generator
 from pipetrain.plan.schedule import Schedule
 
@@ -59,11 +59,15 @@ class _Rank(VRank):
     def w(self, chunk: int) -> None:
         self.program.append(W(self.stages[chunk], self.pending_w[chunk].popleft()))
 
+    def iw(self, chunk: int) -> None:
+        """The chunk's next I, then the W of its oldest waiting input-gradient."""
+        self.i(chunk)
+        self.w(chunk)
+
     def fiw(self, chunk: int) -> None:
         """F, I and W of the chunk in a row (the steady state's unit)."""
         self.f(chunk)
-        self.i(chunk)
-        self.w(chunk)
+        self.iw(chunk)
 
 
 def _rank_program(rank: int, num_ranks: int, n: int) -> Program:
@@ -80,15 +84,13 @@ def _rank_program(rank: int, num_ranks: int, n: int) -> Program:
     while st.next_f[0] < n or st.next_f[1] < st.next_f[0]:
         if st.next_f[0] < n:
             st.f(0)
-        st.i(0)
-        st.w(0)
+        st.iw(0)
         st.fiw(1)
     for _ in range(rank):
         st.i(0)
         st.i(1)
     for _ in range(p - rank):
-        st.i(0)
-        st.w(0)
+        st.iw(0)
     for chunk in (1, 0):
         while st.pending_w[chunk]:
             st.w(chunk)
@@ -158,7 +160,6 @@ def _keep(action: Action, num_microbatches: int) -> bool:
 @generator(NAME, placement="v", split_backward=True)
 def build(num_ranks: int, num_microbatches: int, stages_per_rank: int | None) -> Schedule:
     """Zero bubble with 1F1B's memory: 2 chunks per rank in a V, F/I/W."""
-    require_v(NAME, stages_per_rank)
     if num_microbatches <= num_ranks:
         return make_schedule(_list_schedule(num_ranks, num_microbatches), v_placement(num_ranks), num_microbatches)
     n = max(num_microbatches, 2 * num_ranks - 1)
