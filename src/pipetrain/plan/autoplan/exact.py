@@ -96,21 +96,11 @@ class _Model:
                     en = model.new_int_var(0, horizon, f"e{c}")
                     per_rank[t.rank[c]].append(model.new_interval_var(st, d, en, f"i{c}"))
                     start[c], end[c] = st, en
-        lat = ticks(problem.comm)
-        rank_of = problem.stage_to_rank
-        for s in range(n_st):
-            for m in range(n_mb):
-                f, i, w = (problem.code(k, s, m) for k in (KIND_F, KIND_I, KIND_W))
-                if s > 0:
-                    model.add(
-                        start[f] >= end[problem.code(KIND_F, s - 1, m)] + (lat if rank_of[s - 1] != rank_of[s] else 0)
-                    )
-                model.add(start[i] >= end[f])
-                if s < n_st - 1:
-                    model.add(
-                        start[i] >= end[problem.code(KIND_I, s + 1, m)] + (lat if rank_of[s + 1] != rank_of[s] else 0)
-                    )
-                model.add(start[w] >= end[i])
+        # What each action waits for is the dependency core's rule (the problem's tables); a product
+        # slot is numbered as the F or I code that makes it.
+        for c in start:
+            for slot, latency in t.needs[c]:
+                model.add(start[c] >= end[slot] + ticks(latency))
         for m in range(n_mb - 1):
             model.add(start[problem.code(KIND_F, 0, m)] <= start[problem.code(KIND_F, 0, m + 1)])
         for r in range(n_rk):

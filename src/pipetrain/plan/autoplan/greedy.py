@@ -142,24 +142,21 @@ class _ListScheduler:
         return self.orders if done == total else None
 
     def _release(self, code: int, kind: int, st: int, rest: int, end: float) -> None:
-        """Hand ``code``'s product to the actions waiting for it."""
+        """Hand ``code``'s product to the actions waiting for it (the core's rules, inverted)."""
         t, sm, n_mb = self.t, self.sm, self.n_mb
-        x_code = self.x_kind * sm + rest
-        if kind == KIND_F:
-            consumers = [x_code]
-            if st < self.p.num_stages - 1:
-                consumers.append(rest + n_mb)
-        elif kind == KIND_W:
-            return
-        else:
-            if kind == KIND_I:
-                r = t.rank[code]
-                jitter = self.jitter
-                key = rest % n_mb + (self.policy.noise * jitter() if jitter is not None else 0.0)
-                heapq.heappush(self.ws[r], (key, 2 * sm + rest))
-            consumers = [x_code - n_mb] if st > 0 else []
-        for c in consumers:
-            arrive = end + (t.lat1[c] if t.dep1[c] == t.out[code] else t.lat2[c])
+        m = rest % n_mb
+        out = t.out[code]
+        for user, stage in t.users[kind][st]:
+            if user == KIND_W:  # a W is a gap filler, queued apart once its I ran
+                if kind == KIND_I:
+                    jitter = self.jitter
+                    key = m + (self.policy.noise * jitter() if jitter is not None else 0.0)
+                    heapq.heappush(self.ws[t.rank[code]], (key, KIND_W * sm + rest))
+                continue
+            if user != KIND_F and user != self.x_kind:
+                continue  # the backward runs as the other kind
+            c = user * sm + stage * n_mb + m
+            arrive = end + (t.lat1[c] if t.dep1[c] == out else t.lat2[c])
             if arrive > self.arrival[c]:
                 self.arrival[c] = arrive
             self.unmet[c] -= 1

@@ -290,7 +290,7 @@ class _Tables:
     """Per-code dependency slots, latencies, durations, outputs and memory deltas, from the
     dependency core (:mod:`pipetrain.plan.dependencies`) with this problem's costs."""
 
-    __slots__ = ("delta", "dep1", "dep2", "dur", "lat1", "lat2", "needs", "num_slots", "out", "rank")
+    __slots__ = ("delta", "dep1", "dep2", "dur", "lat1", "lat2", "needs", "num_slots", "out", "rank", "users")
 
     def __init__(self, p: Problem) -> None:
         n_st, n_mb = p.num_stages, p.num_microbatches
@@ -303,7 +303,17 @@ class _Tables:
             ((d1, l1), (d2, l2)) if d2 >= 0 else ((d1, l1),) if d1 >= 0 else ()
             for d1, l1, d2, l2 in zip(self.dep1, self.lat1, self.dep2, self.lat2, strict=True)
         ]
-        self.num_slots = 3 * n_st * n_mb  # the F, X and W products
+        sm = n_st * n_mb
+        self.num_slots = 3 * sm  # the F, X and W products
+        # The inverse, per kind and stage of the producer: the (kind, stage) of the actions that
+        # wait for its product, the backward kinds first (templates: the microbatch is the same).
+        self.users: list[list[list[tuple[int, int]]]] = [[[] for _ in range(n_st)] for _ in range(4)]
+        for kind in (KIND_I, KIND_B, KIND_F, KIND_W):
+            for s in range(n_st):
+                for slot, _ in self.needs[kind * sm + s * n_mb]:
+                    block, stage = divmod(slot // n_mb, n_st)
+                    for producer in (KIND_I, KIND_B) if block == 1 else (block,):
+                        self.users[producer][stage].append((kind, s))
         self.dur, self.rank, self.delta = [], [], []
         for durations, sign in ((p.f, 1.0), (p.i, 0.0), (p.w, -1.0), (p.b, -1.0)):
             for s in range(n_st):
