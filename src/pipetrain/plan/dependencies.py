@@ -1,8 +1,10 @@
 """The dependency rules, written once: what each action needs and what it makes.
 
-``validate``, ``simulate``, the lowering passes (their unit-time run), the ZB-V list schedule and
-the ``auto_schedule`` search all read these tables; none states a rule of its own. The rules are
-DESIGN.md §2's (docs/semantics.md, "Dependencies"):
+``validate``, ``simulate``, the lowering passes (the unit-time run, where a product is sent, whom
+an early receive comes from), the ZB-V list schedule, measured message latency and the
+``auto_schedule`` search (its evaluation, list scheduler and CP-SAT model) read these tables; none
+states a rule of its own. :meth:`Dependencies._rows` is the one statement of the rules, DESIGN.md
+§2's (docs/semantics.md, "Dependencies"); everything else here is derived from it:
 
 - F(s,m) needs the forward output of (s-1,m);
 - B(s,m) and I(s,m) need F(s,m) and, unless s is the last stage, the input-gradient of (s+1,m),
