@@ -1,17 +1,19 @@
 """The one abstract execution of rank programs, which validate, simulate and lowering drive.
 
 Every rank runs its program in order; an action runs once what it needs is there, and a rank that
-waits resumes when it is. :class:`Walk` owns that machinery: the programs (idle steps dropped),
-where each rank stands, who waits for what, whom to wake, and which ranks never finish. A driver
-takes the ranks :meth:`Walk.ranks` hands it, runs each from where it stands until an action
-waits (:meth:`Walk.wait`, then it stores its position), and announces what it makes
-(:meth:`Walk.made`).
+waits resumes when it is. :class:`Walk` holds that machinery: the programs (idle steps dropped),
+where each rank stands (``pc``), who waits for what (``waiting``: key -> ranks), the ranks to run
+(``queue``), which ranks never finish, and the way back from a position to a step. A driver takes
+the ranks :meth:`Walk.ranks` hands it and runs each from where it stands until an action waits
+(it adds the rank to ``waiting`` under the key and stores its position); when it makes a key,
+the ranks waiting for it go back in ``queue``. (The drivers touch ``waiting`` and ``queue``
+directly rather than through methods: a call per action would cost about a fifth of a run.)
 
 What an action needs is the dependency core's (:mod:`pipetrain.plan.dependencies`); what "runs"
 means is the driver's: a start time in unit time (lowering), under a cost model (simulate), or the
 strict or loose communication model (validate). The outcome does not depend on the order in which
 ranks are picked up. The drivers keep their per-action loops themselves: the loop is the hot path
-of planning, and a call per action would cost about a fifth of it.
+of planning.
 """
 
 from __future__ import annotations
@@ -67,24 +69,6 @@ class Walk(Generic[T]):
         queue = self.queue
         while queue:
             yield queue.pop()
-
-    def wait(self, rank: int, key: int) -> None:
-        """``rank`` waits for ``key``."""
-        ranks = self.waiting.get(key)
-        if ranks is None:
-            self.waiting[key] = [rank]
-        else:
-            ranks.append(rank)
-
-    def made(self, key: int) -> None:
-        """``key`` is there: the ranks waiting for it go back in the queue."""
-        woken = self.waiting.pop(key, None)
-        if woken:
-            self.queue.extend(woken)
-
-    def wake(self, rank: int) -> None:
-        """Pick ``rank`` up again (validate: one of its communication groups ended)."""
-        self.queue.append(rank)
 
     def stuck(self) -> list[int]:
         """The ranks that did not run their whole program."""
