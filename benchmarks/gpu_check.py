@@ -228,26 +228,18 @@ def _rank(rank: int, world: int, port: int, device_type: str, names: list[str], 
 
     try:
         torch.set_num_threads(1)
-        if device_type == "cuda":
-            device = torch.device("cuda", rank)
+        cuda = device_type == "cuda"
+        device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+        if cuda:
             torch.cuda.set_device(device)
-            dist.init_process_group(
-                "nccl",
-                init_method=f"tcp://127.0.0.1:{port}",
-                rank=rank,
-                world_size=world,
-                timeout=timedelta(seconds=120),
-                device_id=device,
-            )
-        else:
-            device = torch.device("cpu")
-            dist.init_process_group(
-                "gloo",
-                init_method=f"tcp://127.0.0.1:{port}",
-                rank=rank,
-                world_size=world,
-                timeout=timedelta(seconds=120),
-            )
+        dist.init_process_group(
+            "nccl" if cuda else "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=120),
+            **({"device_id": device} if cuda else {}),
+        )
         rows = []
         for name in names:
             v = MULTI_STAGE.get(name, 1)

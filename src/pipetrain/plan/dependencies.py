@@ -189,7 +189,8 @@ class Dependencies:
     def flat(self, codes: Sequence[int]) -> tuple[list[int], list[int], list[bool], list[bool], list[int]]:
         """Per-action tables for compute-only search: for action number ``j*SM + s*M + m`` of the
         ``j``-th kind code in ``codes``: its first and second need (-1: none), whether each crosses
-        ranks, and what it makes."""
+        ranks, and what it makes. Unlowered rules only: a lowered input is two keys."""
+        assert not self.lowered, "flat tables hold at most two needs per action: use unlowered rules"
         S, M, SM = self.S, self.M, self.SM
         size = len(codes) * SM
         need1, need2 = [-1] * size, [-1] * size

@@ -652,17 +652,15 @@ def _runs(action: Action) -> bool:
 
 
 def _node_needs(deps: Dependencies) -> tuple[list[int], list[int]]:
-    """Per compute node (F, X, W), the keys it waits for: the core's rules, a message from
-    another rank waited for as received only (its RECV completing implies its SEND was posted)."""
-    S, M, SM = deps.S, deps.M, deps.SM
-    sent, received = SENT * SM, RECEIVED * SM
-    need1, need2 = [-1] * (3 * SM), [-1] * (3 * SM)
-    for block, code in ((0, C_F), (1, C_I), (2, C_W)):  # X is B's or I's product: the same needs
-        for s in range(S):
-            keys = [k for k in deps.need_keys[code][s] if not sent <= k < received]
-            base = block * SM + s * M
-            for column, key in zip((need1, need2), keys, strict=False):
-                column[base : base + M] = range(key, key + M)
+    """Per compute node (F, X, W), the keys it waits for: the core's rules (its flat tables), a
+    product from another rank waited for, in a lowered schedule, as its message received (the RECV
+    completing implies the SEND was posted)."""
+    plain = Dependencies(deps.S, deps.M, deps.rank_of, lowered=False)
+    need1, need2, cross1, cross2, _ = plain.flat((C_F, C_I, C_W))  # X is B's or I's product: the same needs
+    if deps.lowered:
+        received = RECEIVED * deps.SM
+        need1 = [k + received if c else k for k, c in zip(need1, cross1, strict=True)]
+        need2 = [k + received if c else k for k, c in zip(need2, cross2, strict=True)]
     return need1, need2
 
 
