@@ -7,6 +7,11 @@ Whether the per-rank programs deadlock is decided by abstract execution: every r
 in order, an action runs once what it needs has run (on a lowered schedule: once its RECV has
 completed under the NCCL group model), and ranks left waiting are reported with what they wait
 for. All checks are linear in the number of actions.
+
+A sound schedule, the common case, is accepted by a fast path (:func:`_accepts`: one scan that
+also matches and groups the SEND/RECV, then one run, keeping nothing for messages); whatever it
+cannot prove sound goes through the full checks (:func:`_check`), which find the broken rule and
+word it. The fast path only ever accepts, so verdicts and messages are the full checks'.
 """
 
 # ruff: noqa: N803, N806 - S, M, SM, R: stages, microbatches, their product, ranks (the papers' notation)
@@ -115,11 +120,284 @@ def _structure(schedule: Schedule) -> _Index:
 
 
 def _validate(schedule: Schedule, *, strict: bool = True) -> None:
+    if not _accepts(schedule, strict):
+        _check(schedule, strict)
+
+
+def _check(schedule: Schedule, strict: bool) -> None:
+    """The full checks, which find what is wrong and word it (every rule, in a fixed order)."""
     index = _structure(schedule)
     comm = _CommPlan(index) if index.comm_rank else None
     if index.reduce:
         _check_reduce_grad(index)
     _execute(index, comm, strict)
+
+
+# ------------------------------------------------------------------ fast acceptance
+def _accepts(schedule: Schedule, strict: bool) -> bool:
+    """True only if ``schedule`` passes every check below: one scan and one abstract execution.
+
+    The common case, a sound schedule, pays for one pass over its actions (the SEND/RECV matched
+    and grouped on the way) and one run, with no positions, steps or names kept for messages.
+    False means "not proven here", never "invalid": the full checks then decide and word the
+    error, so verdicts and messages are theirs. Hence every rule is checked here at least as
+    strictly as there (anything unusual, e.g. OVERLAP_F_B, simply answers False).
+    """
+    try:
+        return _fast_run(schedule, strict)
+    except (AttributeError, IndexError, TypeError, ValueError):  # malformed actions: the full checks say which
+        return False
+
+
+def _fast_run(schedule: Schedule, strict: bool) -> bool:
+    S, M = schedule.num_stages, schedule.num_microbatches
+    if M < 1:
+        return False
+    SM = S * M
+    R = schedule.num_ranks
+    rank_of = [schedule.stage_to_rank.get(s, -1) for s in range(S)]
+    deps = Dependencies(S, M, rank_of, lowered=True)
+    # Per SEND/RECV kind and stage: (message base, peer rank, and for a RECV the offset from the
+    # message to its user's node); peer -1 where the message does not exist or does not cross.
+    routes = []
+    for kind in (SEND_F, SEND_B, RECV_F, RECV_B):
+        row = []
+        for base, src, dst in deps.routes[kind._value_]:
+            ok = src >= 0 and dst >= 0 and rank_of[src] >= 0 and rank_of[dst] >= 0 and rank_of[src] != rank_of[dst]
+            peer = -1 if not ok else rank_of[dst] if kind is SEND_F or kind is SEND_B else rank_of[src]
+            row.append((base, peer, (dst - src) * M))
+        routes.append(row)
+    send_f, send_b, recv_f, recv_b = routes
+    node_step = [-1] * (3 * SM)
+    x_kind = bytearray(SM)
+    shard = bytearray(S)  # 0 before any UNSHARD, 1 unsharded, 2 resharded
+    first_unshard = [-1] * S
+    reduce: list[tuple[int, int]] = []
+    # SEND/RECV: per message, the group of its SEND and of its RECV (-1: none yet); per group, its
+    # ops (a SEND as its message, a RECV as ~message) from gops[g_first[g]] on, and its rank.
+    send_group = [-1] * (2 * SM)
+    recv_group = [-1] * (2 * SM)
+    gops: list[int] = []
+    g_first: list[int] = []
+    g_rank: list[int] = []
+    fifo_send: list[list[int]] = [[] for _ in range(R * R)]  # messages per (sender, receiver), posting order
+    fifo_recv: list[list[int]] = [[] for _ in range(R * R)]
+    programs: list[list[int]] = []  # compute nodes, and -(g + 1) for communication group g
+    g = -1
+    for rank in range(R):
+        program: list[int] = []
+        programs.append(program)
+        append = program.append
+        last = -2  # step of the rank's last SEND/RECV
+        for step, action in enumerate(schedule.actions[rank]):
+            if action is None:
+                continue
+            if type(action) is not Action:
+                return False
+            s, kind, m, _ = action
+            if kind is F or kind is I or kind is W or kind is B:
+                if s >= S or rank_of[s] != rank or m >= M or shard[s] == 2:  # type: ignore[operator]  # (None: TypeError, caught)
+                    return False
+                sm = s * M + m  # type: ignore[operator]
+                if kind is F:
+                    if node_step[sm] >= 0:
+                        return False
+                    node_step[sm] = step
+                    append(sm)
+                elif kind is W:
+                    node = 2 * SM + sm
+                    if node_step[node] >= 0 or x_kind[sm] != _X_I:  # (its I runs first: checked by the run)
+                        return False
+                    node_step[node] = step
+                    append(node)
+                else:
+                    if x_kind[sm]:
+                        return False
+                    x_kind[sm] = _X_I if kind is I else _X_B
+                    node_step[SM + sm] = step
+                    append(SM + sm)
+            elif kind is SEND_F or kind is SEND_B or kind is RECV_F or kind is RECV_B:
+                if s >= S or rank_of[s] != rank or m >= M:  # type: ignore[operator]
+                    return False
+                if step != last + 1:  # a new group
+                    g += 1
+                    g_first.append(len(gops))
+                    g_rank.append(rank)
+                    append(-g - 1)
+                last = step
+                if kind is SEND_F or kind is SEND_B:
+                    base, peer, _ = (send_f if kind is SEND_F else send_b)[s]
+                    msg = base + m  # type: ignore[operator]
+                    if peer < 0 or send_group[msg] >= 0 or node_step[msg] < 0:  # after its producer
+                        return False
+                    send_group[msg] = g
+                    fifo_send[rank * R + peer].append(msg)
+                    gops.append(msg)
+                else:
+                    base, peer, shift = (recv_f if kind is RECV_F else recv_b)[s]
+                    msg = base + m  # type: ignore[operator]
+                    if peer < 0 or recv_group[msg] >= 0 or node_step[msg + shift] >= 0:  # before its user
+                        return False
+                    recv_group[msg] = g
+                    fifo_recv[peer * R + rank].append(msg)
+                    gops.append(~msg)
+            elif kind is UNSHARD or kind is RESHARD or kind is REDUCE_GRAD:
+                if s >= S or rank_of[s] != rank or m is not None:
+                    return False
+                if kind is UNSHARD:
+                    if shard[s] == 1:
+                        return False
+                    shard[s] = 1
+                    if first_unshard[s] < 0:
+                        first_unshard[s] = step
+                elif kind is RESHARD:
+                    if shard[s] != 1:
+                        return False
+                    shard[s] = 2
+                else:
+                    reduce.append((s, step))
+            else:  # OVERLAP_F_B, or an unknown kind
+                return False
+    g_first.append(len(gops))
+
+    # Completeness: every F; with any backward, every X, and a W exactly where X is an I (a W
+    # was accepted only after an I of its cell, so equal counts mean equal sets).
+    has_backward = max(x_kind, default=0) > 0
+    if min(node_step[:SM]) < 0:
+        return False
+    if has_backward and (min(node_step[SM : 2 * SM]) < 0 or SM - node_step[2 * SM :].count(-1) != x_kind.count(_X_I)):
+        return False
+    # No compute of a stage before its first UNSHARD.
+    for s, first in enumerate(first_unshard):
+        if first >= 0:
+            for block in range(3):
+                cells = node_step[block * SM + s * M : block * SM + s * M + M]
+                if min((v for v in cells if v >= 0), default=first) < first:
+                    return False
+    # REDUCE_GRAD: one per stage, after the stage's last B or W (a W comes after its I).
+    if reduce:
+        if not has_backward or len({s for s, _ in reduce}) != len(reduce):
+            return False
+        for s, step in reduce:
+            lo = s * M
+            if max(node_step[SM + lo : SM + lo + M]) > step or max(node_step[2 * SM + lo : 2 * SM + lo + M]) > step:
+                return False
+    lowered = bool(gops)
+    if lowered:
+        # Gradients only with a backward; every crossing product sent and received; the k-th
+        # SEND from a to b carries the k-th RECV's message (then each op's peer is its message's).
+        if not has_backward and (max(send_group[SM:]) >= 0 or max(recv_group[SM:]) >= 0):
+            return False
+        for block, leaves in ((0, deps.sends[C_F]), (1, deps.sends[C_I])):
+            if block and not has_backward:
+                continue
+            for s in range(S):
+                if leaves[s]:
+                    lo = block * SM + s * M
+                    if min(send_group[lo : lo + M]) < 0 or min(recv_group[lo : lo + M]) < 0:
+                        return False
+        if fifo_send != fifo_recv:
+            return False
+    return _fast_execute(
+        programs, Dependencies(S, M, rank_of, lowered=lowered), strict, gops, g_first, g_rank, send_group, recv_group
+    )
+
+
+def _fast_execute(
+    programs: list[list[int]],
+    deps: Dependencies,
+    strict: bool,
+    gops: list[int],
+    g_first: list[int],
+    g_rank: list[int],
+    send_group: list[int],
+    recv_group: list[int],
+) -> bool:
+    """:func:`_execute`'s run on :func:`_fast_run`'s programs: True if every rank runs to its end."""
+    need1, need2 = _node_needs(deps)
+    received = RECEIVED * deps.SM
+    R = len(programs)
+    done = bytearray(deps.num_keys)
+    num_groups = len(g_rank)
+    remaining = [g_first[g + 1] - g_first[g] for g in range(num_groups)]
+    started = bytearray(num_groups)
+    # A rank's groups are numbered in a row: head[r] is its next group to start (strict: the one
+    # that must end before the next starts), issued[r] the one after the last it posted.
+    head = [0] * R
+    for g in range(num_groups - 1, -1, -1):
+        head[g_rank[g]] = g
+    issued = list(head)
+    end_group = [0] * R
+    for g, r in enumerate(g_rank):
+        end_group[r] = g + 1
+    pc = [0] * R
+    blocked = [-1] * R
+    waiting: dict[int, list[int]] = {}
+    queue = list(range(R))
+
+    def start(g: int) -> int:
+        """Post group g: each op whose peer's group has started completes (its message is
+        received); returns how many of g's ops remain."""
+        started[g] = 1
+        left = remaining[g]
+        for k in range(g_first[g], g_first[g + 1]):
+            c = gops[k]
+            og = recv_group[c] if c >= 0 else send_group[~c]
+            if started[og]:
+                left -= 1
+                og_left = remaining[og] - 1
+                remaining[og] = og_left
+                t = received + (c if c >= 0 else ~c)
+                done[t] = 1
+                if waiting:
+                    woken = waiting.pop(t, None)
+                    if woken:
+                        queue.extend(woken)
+                if not og_left:
+                    queue.append(g_rank[og])
+        remaining[g] = left
+        return left
+
+    while queue:
+        r = queue.pop()
+        h = head[r]
+        if h < issued[r]:  # strict: start the groups it posted while the one before ran
+            while h < issued[r]:
+                if (started[h] or start(h)) and remaining[h]:
+                    break
+                h += 1
+            head[r] = h
+        program = programs[r]
+        n = len(program)
+        i = pc[r]
+        while i < n:
+            x = program[i]
+            if x >= 0:
+                t = need1[x]
+                if t < 0 or done[t]:
+                    t = need2[x]
+                    if t < 0 or done[t]:
+                        done[x] = 1
+                        if waiting:
+                            woken = waiting.pop(x, None)
+                            if woken:
+                                queue.extend(woken)
+                        i += 1
+                        continue
+                if blocked[r] != t:
+                    blocked[r] = t
+                    waiting.setdefault(t, []).append(r)
+                break
+            g = -x - 1
+            i += 1
+            issued[r] = g + 1
+            if not strict:
+                start(g)
+                head[r] = g + 1
+            elif head[r] == g and not start(g):
+                head[r] = g + 1
+        pc[r] = i
+    return all(pc[r] == len(programs[r]) and head[r] == end_group[r] for r in range(R))
 
 
 # --------------------------------------------------------------------------- structure

@@ -1,0 +1,113 @@
+"""validate()'s fast path (``_accepts``) agrees with its full checks (``_check``).
+
+The fast path may only accept: a schedule it accepts must pass the full checks, or an invalid
+schedule would get through. And on schedules without OVERLAP_F_B (which it leaves to the full
+checks) it should accept every sound one, or it costs time for nothing. Both are checked on every
+generator's schedules, compute-only and lowered, and on random edits of them.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pipetrain.plan import Schedule, ScheduleError, build_schedule, schedule_names
+from pipetrain.plan.actions import Action
+from pipetrain.plan.generators import family
+from pipetrain.plan.validate import _accepts, _check
+
+NAMES = schedule_names()
+
+
+def _build(name: str, ranks: int, microbatches: int) -> Schedule | None:
+    spr = family(name).stages_per_rank
+    try:
+        return build_schedule(name, ranks, microbatches, spr if spr else 2)
+    except ScheduleError:
+        return None
+
+
+def _has_overlap(schedule: Schedule) -> bool:
+    return any(a is not None and a.sub_actions is not None for a in schedule.iter_actions())
+
+
+def _full_verdict(schedule: Schedule, strict: bool) -> bool:
+    try:
+        _check(schedule, strict)
+    except ScheduleError:
+        return False
+    return True
+
+
+def _agree(schedule: Schedule) -> None:
+    for strict in (True, False):
+        fast = _accepts(schedule, strict)
+        full = _full_verdict(schedule, strict)
+        assert not fast or full, "the fast path accepted a schedule the full checks reject"
+        if not _has_overlap(schedule):
+            assert fast == full, "the fast path refused a sound schedule"
+
+
+def _variants(schedule: Schedule) -> list[Schedule]:
+    backward = schedule.has_backward
+    out = [schedule, schedule.lower(), schedule.lower(fsdp=True, grad_reduce=backward, prefetch=2)]
+    if backward:
+        out.append(schedule.lower(merge_iw=True, grad_reduce=True, fsdp=True))
+        out.append(schedule.lower(recv_ahead=2))
+    out.append(schedule.lower(comms=False, fsdp=True))
+    return out
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_named_schedules_take_the_fast_path(name: str) -> None:
+    for p, m in ((2, 3), (3, 5), (4, 8)):
+        schedule = _build(name, p, m)
+        if schedule is None:
+            continue
+        for variant in _variants(schedule):
+            _agree(variant)
+
+
+def _mutate(schedule: Schedule, data: st.DataObject) -> Schedule:
+    """A few edits within ranks: swaps, moves, deletions, duplicates, idle steps (which split
+    communication groups)."""
+    programs = {r: list(schedule.actions[r]) for r in range(schedule.num_ranks)}
+    for _ in range(data.draw(st.integers(1, 3), label="edits")):
+        r = data.draw(st.sampled_from([r for r, p in programs.items() if p]), label="rank")
+        program = programs[r]
+        i = data.draw(st.integers(0, len(program) - 1), label="i")
+        j = data.draw(st.integers(0, len(program) - 1), label="j")
+        edit = data.draw(st.sampled_from(["swap", "swap", "to_end", "delete", "duplicate", "idle"]), label="edit")
+        if edit == "swap":
+            program[i], program[j] = program[j], program[i]
+        elif edit == "to_end":
+            program.append(program.pop(i))
+        elif edit == "delete" and len(program) > 1:
+            del program[i]
+        elif edit == "duplicate":
+            program.insert(j, program[i])
+        elif edit == "idle":
+            program.insert(j, None)
+    return schedule._derived(programs)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    config=st.tuples(st.sampled_from(NAMES), st.integers(2, 4), st.integers(1, 8)),
+    variant=st.integers(0, 5),
+    data=st.data(),
+)
+def test_fast_path_agrees_on_edited_schedules(config: tuple[str, int, int], variant: int, data: st.DataObject) -> None:
+    schedule = _build(*config)
+    if schedule is None:
+        return
+    variants = _variants(schedule)
+    _agree(_mutate(variants[variant % len(variants)], data))
+
+
+def test_malformed_cells_go_to_the_full_checks() -> None:
+    bad = Schedule({0: [Action.parse("0F0"), Action.parse("0B0")]})._derived({0: ["0F0"]})  # type: ignore[list-item]
+    assert not _accepts(bad, True)
+    with pytest.raises(ScheduleError, match="expected an Action or None"):
+        bad.validate()
