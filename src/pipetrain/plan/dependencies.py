@@ -186,10 +186,14 @@ class Dependencies:
         assert m is not None
         return [base + m for base in self.makes[CODE[part.kind._value_]][part.stage]]
 
-    def flat(self, codes: Sequence[int]) -> tuple[list[int], list[int], list[bool], list[bool], list[int]]:
+    def flat(
+        self, codes: Sequence[int], *, cross_offset: int = 0
+    ) -> tuple[list[int], list[int], list[bool], list[bool], list[int]]:
         """Per-action tables for compute-only search: for action number ``j*SM + s*M + m`` of the
         ``j``-th kind code in ``codes``: its first and second need (-1: none), whether each crosses
-        ranks, and what it makes. Unlowered rules only: a lowered input is two keys."""
+        ranks, and what it makes. Unlowered rules only: a lowered input is two keys.
+        ``cross_offset`` is added to the keys of needs that cross ranks (validate waits for a
+        lowered schedule's crossing input as its message received: ``RECEIVED * SM`` on)."""
         assert not self.lowered, "flat tables hold at most two needs per action: use unlowered rules"
         S, M, SM = self.S, self.M, self.SM
         size = len(codes) * SM
@@ -202,6 +206,8 @@ class Dependencies:
                 for (key, crosses), keys, flags in zip(
                     self.needs[code][s], (need1, need2), (cross1, cross2), strict=False
                 ):
+                    if crosses:
+                        key += cross_offset
                     keys[base : base + M] = range(key, key + M)
                     flags[base : base + M] = [crosses] * M
                 made[base : base + M] = range(self.make_key[code][s], self.make_key[code][s] + M)

@@ -42,6 +42,7 @@ from pipetrain.plan.dependencies import (
     C_F,
     C_I,
     C_W,
+    NUM_KEY_BLOCKS,
     RECEIVED,
     SENT,
     Dependencies,
@@ -156,16 +157,19 @@ def _fast_run(schedule: Schedule, strict: bool) -> bool:
     SM = S * M
     R = schedule.num_ranks
     rank_of = [schedule.stage_to_rank.get(s, -1) for s in range(S)]
-    deps = Dependencies(S, M, rank_of, lowered=True)
-    # Per SEND/RECV kind and stage: (message base, peer rank, and for a RECV the offset from the
-    # message to its user's node); peer -1 where the message does not exist or does not cross.
+    deps = Dependencies(S, M, rank_of, lowered=False)  # (routes and sends do not depend on lowering)
+    # SEND/RECV ops are numbered 2 * message (+ 1 for the RECV): an op's peer is op ^ 1. Per
+    # SEND/RECV kind and stage: (twice the message base, the (sender, receiver) FIFO list, and for
+    # a RECV the offset from the message to its user's node); no list where no message crosses.
+    fifo_send: list[list[int]] = [[] for _ in range(R * R)]  # messages per (sender, receiver), posting order
+    fifo_recv: list[list[int]] = [[] for _ in range(R * R)]
     routes = []
     for kind in (SEND_F, SEND_B, RECV_F, RECV_B):
-        row = []
+        row: list[tuple[int, list[int] | None, int]] = []
         for base, src, dst in deps.routes[kind._value_]:
-            ok = src >= 0 and dst >= 0 and rank_of[src] >= 0 and rank_of[dst] >= 0 and rank_of[src] != rank_of[dst]
-            peer = -1 if not ok else rank_of[dst] if kind is SEND_F or kind is SEND_B else rank_of[src]
-            row.append((base, peer, (dst - src) * M))
+            a, b = (rank_of[src], rank_of[dst]) if src >= 0 and dst >= 0 else (-1, -1)
+            table = fifo_send if kind is SEND_F or kind is SEND_B else fifo_recv
+            row.append((2 * base, None if a < 0 or b < 0 or a == b else table[a * R + b], (dst - src) * M))
         routes.append(row)
     send_f, send_b, recv_f, recv_b = routes
     node_step = [-1] * (3 * SM)
@@ -173,15 +177,12 @@ def _fast_run(schedule: Schedule, strict: bool) -> bool:
     shard = bytearray(S)  # 0 before any UNSHARD, 1 unsharded, 2 resharded
     first_unshard = [-1] * S
     reduce: list[tuple[int, int]] = []
-    # SEND/RECV: per message, the group of its SEND and of its RECV (-1: none yet); per group, its
-    # ops (a SEND as its message, a RECV as ~message) from gops[g_first[g]] on, and its rank.
-    send_group = [-1] * (2 * SM)
-    recv_group = [-1] * (2 * SM)
+    # Per op, its group (-1: not in the schedule); per group, its ops (gops[g_first[g]:
+    # g_first[g + 1]]) and its rank.
+    op_group = [-1] * (4 * SM)
     gops: list[int] = []
     g_first: list[int] = []
     g_rank: list[int] = []
-    fifo_send: list[list[int]] = [[] for _ in range(R * R)]  # messages per (sender, receiver), posting order
-    fifo_recv: list[list[int]] = [[] for _ in range(R * R)]
     programs: list[list[int]] = []  # compute nodes, and -(g + 1) for communication group g
     g = -1
     for rank in range(R):
@@ -226,21 +227,18 @@ def _fast_run(schedule: Schedule, strict: bool) -> bool:
                     append(-g - 1)
                 last = step
                 if kind is SEND_F or kind is SEND_B:
-                    base, peer, _ = (send_f if kind is SEND_F else send_b)[s]
-                    msg = base + m  # type: ignore[operator]
-                    if peer < 0 or send_group[msg] >= 0 or node_step[msg] < 0:  # after its producer
+                    base, fifo, _ = (send_f if kind is SEND_F else send_b)[s]
+                    op = base + 2 * m  # type: ignore[operator]
+                    if fifo is None or op_group[op] >= 0 or node_step[op >> 1] < 0:  # after its producer
                         return False
-                    send_group[msg] = g
-                    fifo_send[rank * R + peer].append(msg)
-                    gops.append(msg)
                 else:
-                    base, peer, shift = (recv_f if kind is RECV_F else recv_b)[s]
-                    msg = base + m  # type: ignore[operator]
-                    if peer < 0 or recv_group[msg] >= 0 or node_step[msg + shift] >= 0:  # before its user
+                    base, fifo, shift = (recv_f if kind is RECV_F else recv_b)[s]
+                    op = base + 2 * m + 1  # type: ignore[operator]
+                    if fifo is None or op_group[op] >= 0 or node_step[(op >> 1) + shift] >= 0:  # before its user
                         return False
-                    recv_group[msg] = g
-                    fifo_recv[peer * R + rank].append(msg)
-                    gops.append(~msg)
+                op_group[op] = g
+                fifo.append(op >> 1)
+                gops.append(op)
             elif kind is UNSHARD or kind is RESHARD or kind is REDUCE_GRAD:
                 if s >= S or rank_of[s] != rank or m is not None:
                     return False
@@ -286,38 +284,40 @@ def _fast_run(schedule: Schedule, strict: bool) -> bool:
     if lowered:
         # Gradients only with a backward; every crossing product sent and received; the k-th
         # SEND from a to b carries the k-th RECV's message (then each op's peer is its message's).
-        if not has_backward and (max(send_group[SM:]) >= 0 or max(recv_group[SM:]) >= 0):
+        if not has_backward and max(op_group[2 * SM :]) >= 0:
             return False
         for block, leaves in ((0, deps.sends[C_F]), (1, deps.sends[C_I])):
             if block and not has_backward:
                 continue
             for s in range(S):
                 if leaves[s]:
-                    lo = block * SM + s * M
-                    if min(send_group[lo : lo + M]) < 0 or min(recv_group[lo : lo + M]) < 0:
+                    lo = 2 * (block * SM + s * M)
+                    if min(op_group[lo : lo + 2 * M]) < 0:
                         return False
         if fifo_send != fifo_recv:
             return False
-    return _fast_execute(
-        programs, Dependencies(S, M, rank_of, lowered=lowered), strict, gops, g_first, g_rank, send_group, recv_group
-    )
+    received = RECEIVED * SM if lowered else 0
+    need1, need2, _, _, _ = deps.flat((C_F, C_I, C_W), cross_offset=received)  # (see _node_needs)
+    return _fast_execute(programs, need1, need2, received, strict, gops, g_first, g_rank, op_group)
 
 
 def _fast_execute(
     programs: list[list[int]],
-    deps: Dependencies,
+    need1: list[int],
+    need2: list[int],
+    received: int,
     strict: bool,
     gops: list[int],
     g_first: list[int],
     g_rank: list[int],
-    send_group: list[int],
-    recv_group: list[int],
+    op_group: list[int],
 ) -> bool:
-    """:func:`_execute`'s run on :func:`_fast_run`'s programs: True if every rank runs to its end."""
-    need1, need2 = _node_needs(deps)
-    received = RECEIVED * deps.SM
+    """:func:`_execute`'s run on :func:`_fast_run`'s programs: True if every rank runs to its end.
+
+    A RECV op completing makes key ``received + message``; ``need1`` and ``need2`` wait for that.
+    """
     R = len(programs)
-    done = bytearray(deps.num_keys)
+    done = bytearray(NUM_KEY_BLOCKS * len(need1) // 3)
     num_groups = len(g_rank)
     remaining = [g_first[g + 1] - g_first[g] for g in range(num_groups)]
     started = bytearray(num_groups)
@@ -327,7 +327,7 @@ def _fast_execute(
     for g in range(num_groups - 1, -1, -1):
         head[g_rank[g]] = g
     issued = list(head)
-    end_group = [0] * R
+    end_group = list(head)
     for g, r in enumerate(g_rank):
         end_group[r] = g + 1
     pc = [0] * R
@@ -341,13 +341,13 @@ def _fast_execute(
         started[g] = 1
         left = remaining[g]
         for k in range(g_first[g], g_first[g + 1]):
-            c = gops[k]
-            og = recv_group[c] if c >= 0 else send_group[~c]
+            op = gops[k]
+            og = op_group[op ^ 1]
             if started[og]:
                 left -= 1
                 og_left = remaining[og] - 1
                 remaining[og] = og_left
-                t = received + (c if c >= 0 else ~c)
+                t = received + (op >> 1)
                 done[t] = 1
                 if waiting:
                     woken = waiting.pop(t, None)
@@ -361,7 +361,7 @@ def _fast_execute(
     while queue:
         r = queue.pop()
         h = head[r]
-        if h < issued[r]:  # strict: start the groups it posted while the one before ran
+        if h < issued[r]:  # strict: start the groups it posted while an earlier one ran
             while h < issued[r]:
                 if (started[h] or start(h)) and remaining[h]:
                     break
@@ -391,10 +391,29 @@ def _fast_execute(
             g = -x - 1
             i += 1
             issued[r] = g + 1
-            if not strict:
-                start(g)
-                head[r] = g + 1
-            elif head[r] == g and not start(g):
+            if strict and head[r] != g:
+                continue  # an earlier group has not ended: this one starts after it
+            k = g_first[g]
+            if g_first[g + 1] - k == 1:  # most groups hold one op: start() inline
+                op = gops[k]
+                og = op_group[op ^ 1]
+                started[g] = 1
+                if started[og]:
+                    remaining[g] = 0
+                    og_left = remaining[og] - 1
+                    remaining[og] = og_left
+                    t = received + (op >> 1)
+                    done[t] = 1
+                    if waiting:
+                        woken = waiting.pop(t, None)
+                        if woken:
+                            queue.extend(woken)
+                    if not og_left:
+                        queue.append(g_rank[og])
+                    head[r] = g + 1
+                elif not strict:
+                    head[r] = g + 1
+            elif not start(g) or not strict:
                 head[r] = g + 1
         pc[r] = i
     return all(pc[r] == len(programs[r]) and head[r] == end_group[r] for r in range(R))
@@ -934,11 +953,8 @@ def _node_needs(deps: Dependencies) -> tuple[list[int], list[int]]:
     product from another rank waited for, in a lowered schedule, as its message received (the RECV
     completing implies the SEND was posted)."""
     plain = Dependencies(deps.S, deps.M, deps.rank_of, lowered=False)
-    need1, need2, cross1, cross2, _ = plain.flat((C_F, C_I, C_W))  # X is B's or I's product: the same needs
-    if deps.lowered:
-        received = RECEIVED * deps.SM
-        need1 = [k + received if c else k for k, c in zip(need1, cross1, strict=True)]
-        need2 = [k + received if c else k for k, c in zip(need2, cross2, strict=True)]
+    # X is B's or I's product: the same needs.
+    need1, need2, _, _, _ = plain.flat((C_F, C_I, C_W), cross_offset=RECEIVED * deps.SM if deps.lowered else 0)
     return need1, need2
 
 

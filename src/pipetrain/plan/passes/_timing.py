@@ -67,8 +67,13 @@ def unit_time_run(schedule: Schedule) -> UnitRun:
     walk = Walk.of(schedule.actions, R)
     programs, pc, waiting, queue = walk.programs, walk.pc, walk.waiting, walk.queue
 
+    # Per kind code and stage: (what it needs, what it makes, whether that leaves the rank).
+    rules = [
+        [(need_keys[code][s], make_key[code][s], sends_of[code][s]) for s in range(S)] for code in range(C_OVERLAP)
+    ]
     try:
-        for r in walk.ranks():
+        while queue:
+            r = queue.pop()
             program = programs[r]
             row = starts[r]
             n = len(program)
@@ -76,42 +81,64 @@ def unit_time_run(schedule: Schedule) -> UnitRun:
             t0 = free[r]
             while i < n:
                 a = program[i]
-                code = codes[a.kind._value_]
-                if code > C_OVERLAP:
-                    lowered += 1
-                    i += 1
-                    continue
-                if code == C_OVERLAP:
-                    parts = a.parts
-                    missing, t0 = _overlap_ready(parts, deps, end, t0)
-                else:
-                    parts = (a,)
-                    m = a.microbatch
+                s, kind, m, _ = a
+                code = codes[kind._value_]
+                if code < C_OVERLAP:  # a plain compute part: the common case, inline
+                    needs, node, sends = rules[code][s]
                     missing = -1
-                    for key in need_keys[code][a.stage]:
+                    for key in needs:
                         e = end[key + m]  # type: ignore[operator]
                         if e < 0:
                             missing = key + m  # type: ignore[operator]
                             break
                         if e > t0:
                             t0 = e
+                    if missing >= 0:
+                        waiting.setdefault(missing, []).append(r)
+                        break
+                    # Placement, range and the W-after-I rule are checked once the action can run:
+                    # one that breaks them and blocks instead (on a node its wrong indices name)
+                    # leaves the run stuck, and either way validate() names it.
+                    if rank_of[s] != r or m >= M:  # type: ignore[operator]
+                        raise _BreachError
+                    if code == C_I:
+                        is_i[s * M + m] = 1  # type: ignore[operator]
+                    elif code == C_W and not is_i[s * M + m]:  # type: ignore[operator]
+                        raise _BreachError  # a W needs an I, never a full B
+                    row.append(t0)
+                    if sends:
+                        while len(by_time) <= t0:
+                            by_time.append([])
+                        by_time[t0].append(a)
+                    node += m  # type: ignore[operator]
+                    t0 += 1
+                    end[node] = t0
+                    if waiting:
+                        woken = waiting.pop(node, None)
+                        if woken:
+                            queue.extend(woken)
+                    i += 1
+                    continue
+                if code > C_OVERLAP:
+                    lowered += 1
+                    i += 1
+                    continue
+                parts = a.parts
+                missing, t0 = _overlap_ready(parts, deps, end, t0)
                 if missing >= 0:
                     waiting.setdefault(missing, []).append(r)
                     break
-                # Placement, range and the W-after-I rule are checked once the action can run: one
-                # that breaks them and blocks instead (on a node its wrong indices name) leaves the
-                # run stuck, and either way validate() names it.
                 row.append(t0)
                 t1 = t0 + 1
                 for p in parts:
-                    pcode = code if p is a else codes[p.kind._value_]
+                    pcode = codes[p.kind._value_]
                     s, m = p.stage, p.microbatch
                     if rank_of[s] != r or m >= M:  # type: ignore[operator]
                         raise _BreachError
                     if pcode == C_I:
                         is_i[s * M + m] = 1  # type: ignore[operator]
                     elif pcode == C_W and not is_i[s * M + m]:  # type: ignore[operator]
-                        raise _BreachError  # a W needs an I, never a full B
+                        raise _BreachError
                     if sends_of[pcode][s]:
                         while len(by_time) <= t0:
                             by_time.append([])
