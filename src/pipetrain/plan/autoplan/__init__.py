@@ -1,8 +1,9 @@
 """Schedule construction for measured costs and a memory limit (behind ``auto_schedule``).
 
-Three parts, each small: :mod:`.problem` turns a layout and costs into integer tables with a fast
-makespan evaluation; :mod:`.greedy` builds orders by memory-safe list scheduling under several
-priority rules; :mod:`.improve` polishes the best orders by local search. :func:`construct` runs
+Four parts, each small: :mod:`.problem` turns a layout and costs into integer tables with a fast
+makespan evaluation; :mod:`.periodic` repeats one microbatch's block of actions at the shortest
+period that fits (modulo scheduling); :mod:`.greedy` builds orders by memory-safe list scheduling
+under several priority rules; :mod:`.improve` polishes the best orders by local search. :func:`construct` runs
 them against a deadline, starting from any orders it is given (the named schedules that fit).
 """
 
@@ -12,9 +13,10 @@ import random
 import time
 from collections.abc import Iterator, Sequence
 
-from pipetrain.plan.autoplan import exact
+from pipetrain.plan.autoplan import cyclic, exact
 from pipetrain.plan.autoplan.greedy import Policy, list_schedule
 from pipetrain.plan.autoplan.improve import improve
+from pipetrain.plan.autoplan.periodic import Block, best_orders, greedy_blocks
 from pipetrain.plan.autoplan.problem import KIND_B, KIND_I, KIND_W, Orders, Problem
 
 __all__ = [
@@ -29,6 +31,8 @@ __all__ = [
     "windows_fit",
 ]
 
+_PERIODIC_SHARE = 0.15  # of the time: periodic blocks (modulo scheduling)
+_EXACT_MAX_BLOCK = 200  # actions in one microbatch's block that CP-SAT takes (exact periodic blocks)
 _GREEDY_SHARE = 0.35  # of the time: list scheduling under the rule grid and random restarts
 _EXACT_SHARE = 0.5  # of what is left, for CP-SAT when ortools is installed and the problem is small
 _EXACT_MAX_ACTIONS = 1000  # beyond, windows gain less than local search
@@ -70,6 +74,29 @@ def _policies(problem: Problem) -> Iterator[Policy]:
             )
 
 
+def periodic_seeds(problem: Problem, deadline: float, rng: random.Random) -> list[Orders]:
+    """Orders of the best periodic blocks, within ``_PERIODIC_SHARE`` of the time to ``deadline``:
+    placed greedily, then, when CP-SAT can take the block, its shortest blocks from the best
+    greedy ones (one per lane count). None with fewer than two microbatches per rank: there is
+    no steady state to repeat, and the warm-up and cool-down are list scheduling's strength."""
+    if problem.num_microbatches < 2 * problem.num_ranks:
+        return []
+    now = time.perf_counter()
+    until = now + _PERIODIC_SHARE * max(0.0, deadline - now)
+    exact_too = exact.ready() and exact.solvable(problem) and 3 * problem.num_stages <= _EXACT_MAX_BLOCK
+    blocks = greedy_blocks(problem, now + (0.4 if exact_too else 0.8) * (until - now), rng)
+    if exact_too:
+        split = [b for b in blocks if any(op.kind == KIND_W for op in b.ops)]
+        firsts: dict[int, Block] = {}
+        for block in sorted(split, key=lambda b: b.makespan_bound(problem.num_microbatches)):
+            firsts.setdefault(block.lanes, block)
+        for index, block in enumerate(firsts.values()):
+            now = time.perf_counter()
+            share = max(0.0, now + 0.85 * (until - now) - now) / (len(firsts) - index)
+            blocks += cyclic.exact_blocks(problem, block, now + share)
+    return best_orders(problem, blocks, until)
+
+
 def merge_backward(problem: Problem, orders: Orders) -> Orders:
     """``orders`` with every I directly followed by its own W run as one B."""
     sm = problem.num_stages * problem.num_microbatches
@@ -100,7 +127,7 @@ def construct(
     list scheduling, local search, then :func:`polish` for ``polish_share`` of what time is left
     (by default most of it when ortools can take it, else none)."""
     pool: list[tuple[tuple[float, float], Orders]] = []
-    for seed_orders in seeds:
+    for seed_orders in [*seeds, *periodic_seeds(problem, deadline, rng)]:
         if problem.complete(seed_orders) and problem.fits(seed_orders):
             pool.append((problem.score(seed_orders), seed_orders))
     greedy_until = time.perf_counter() + _GREEDY_SHARE * max(0.0, deadline - time.perf_counter())

@@ -1,0 +1,152 @@
+"""Exact periodic blocks with CP-SAT (ortools, the optional ``solver`` extra).
+
+:mod:`.periodic` places a block's actions greedily; under tight memory the best blocks need the
+lanes' memory peaks to take turns, which a greedy placement rarely finds. Here, for a fixed
+period, CP-SAT finds offsets that minimise the block's length exactly:
+
+* every action waits for its inputs (the problem's dependency tables, with the message latency);
+* a rank's actions do not overlap modulo the period (each action's phase, and its copy one period
+  later, in one no-overlap: that is exactly no overlap on the circle);
+* memory, counted where it can peak (at each forward's start): an activation of lane i is alive
+  at time t in ``floor((t - F_i) / T) - floor((t - W_i_end) / T)`` periods, which CP-SAT states
+  with two integer quotients per pair of (forward, activation) on a rank.
+
+The shortest period that fits is found by bisection, starting from the busiest rank's load.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from pipetrain.plan.autoplan.periodic import Block, BlockAction, block_ops
+from pipetrain.plan.autoplan.problem import KIND_B, KIND_F, KIND_W, Problem
+
+__all__ = ["exact_blocks"]
+
+_SCALE = 10  # ticks per unit of time (the problem must be solvable at this scale)
+_WEIGHT_SCALE = 1000
+_SOLVE_SECONDS = 0.5  # CP-SAT's time for one period, at most
+
+
+def exact_blocks(problem: Problem, known: Block, deadline: float) -> list[Block]:
+    """Blocks CP-SAT finds by ``deadline`` with ``known``'s lanes (split backward): the shortest
+    block at ``known``'s period (hinted with it), then shorter periods by bisection down to the
+    busiest rank's load, each hinted with the last block found."""
+    from ortools.sat.python import cp_model  # optional: imported only when used
+
+    lanes = known.lanes
+    ops = block_ops(problem, False, lanes)
+    load = [0] * problem.num_ranks
+    for op in ops:
+        load[op.rank] += _ticks(op.dur)
+    low = max(load)
+    if low <= 0:
+        return []
+    horizon = 2 * sum(_ticks(op.dur) + _ticks(problem.comm) for op in ops)
+    high = _ticks(known.period)
+    hint = [_ticks(x) for x in known.start]
+    if high > horizon or max(hint) > horizon:
+        return []
+    found: list[Block] = []
+    tried: set[int] = set()
+
+    def attempt(period: int, seconds: float) -> bool:
+        nonlocal hint
+        tried.add(period)
+        start = _solve(cp_model, problem, ops, period, horizon, seconds, hint)
+        if start is None:
+            return False
+        hint = start
+        found.append(Block(period / _SCALE, tuple(ops), tuple(x / _SCALE for x in start), lanes))
+        return True
+
+    attempt(high, min(_SOLVE_SECONDS, deadline - time.perf_counter()))
+    # Invariant: no block found below ``low`` (untried or refused); one fits at ``high``.
+    while time.perf_counter() < deadline - 0.05:
+        period = low if low not in tried else (low + high) // 2
+        if period >= high or period in tried:
+            break
+        left = deadline - time.perf_counter()
+        if attempt(period, min(_SOLVE_SECONDS, left)):
+            high = period
+        else:
+            low = period + 1
+    return found
+
+
+def _ticks(x: float) -> int:
+    return round(x * _SCALE)
+
+
+def _solve(
+    cp_model: Any, problem: Problem, ops: list[BlockAction], period: int, horizon: int, seconds: float, hint: list[int]
+) -> list[int] | None:
+    model = cp_model.CpModel()
+    dur = [_ticks(op.dur) for op in ops]
+    start = [model.new_int_var(0, horizon, f"s{k}") for k in range(len(ops))]
+    end = model.new_int_var(0, horizon + max(dur), "end")
+    for k, op in enumerate(ops):
+        model.add(end >= start[k] + dur[k])
+        for j, lat in op.preds:
+            model.add(start[k] >= start[j] + dur[j] + _ticks(lat))
+    # Lane 0 enters first (lanes are interchangeable) at time 0 (a shift changes nothing).
+    firsts = [k for k, op in enumerate(ops) if op.kind == KIND_F and not op.preds]
+    model.add(start[firsts[0]] == 0)
+    for k in firsts[1:]:
+        model.add(start[k] >= 0)
+    # Phases on the circle: start = q * period + phase.
+    phase = []
+    for k in range(len(ops)):
+        q = model.new_int_var(0, horizon // period + 1, f"q{k}")
+        r = model.new_int_var(0, period - 1, f"r{k}")
+        model.add(start[k] == q * period + r)
+        phase.append(r)
+    for rank in range(problem.num_ranks):
+        intervals = []
+        for k, op in enumerate(ops):
+            if op.rank != rank or dur[k] == 0:
+                continue
+            intervals.append(model.new_fixed_size_interval_var(phase[k], dur[k], f"i{k}"))
+            intervals.append(model.new_fixed_size_interval_var(phase[k] + period, dur[k], f"j{k}"))
+        model.add_no_overlap(intervals)
+    if problem.limit is not None:
+        _memory(model, problem, ops, start, dur, period, horizon)
+    shift = hint[firsts[0]]
+    for k, x in enumerate(hint):
+        model.add_hint(start[k], x - shift)
+    model.minimize(end)
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = seconds
+    solver.parameters.num_workers = 1
+    status = solver.solve(model)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None
+    return [solver.value(s) for s in start]
+
+
+def _memory(
+    model: Any, problem: Problem, ops: list[BlockAction], start: list[Any], dur: list[int], period: int, horizon: int
+) -> None:
+    """At each forward's start, the activations alive on its rank fit the limit."""
+    assert problem.limit is not None
+    release = {(op.stage, op.lane): k for k, op in enumerate(ops) if op.kind in (KIND_W, KIND_B)}
+    span = horizon // period + 2
+    for rank in range(problem.num_ranks):
+        forwards = [k for k, op in enumerate(ops) if op.rank == rank and op.kind == KIND_F]
+        for e in forwards:
+            alive = []
+            for i in forwards:
+                w = release[(ops[i].stage, ops[i].lane)]
+                a = model.new_int_var(-span, span, f"a{e}_{i}")
+                b = model.new_int_var(-span, span, f"b{e}_{i}")
+                # a = floor((t_e - F_i) / T), b = floor((t_e - W_i end) / T)
+                model.add(a * period <= start[e] - start[i])
+                model.add(start[e] - start[i] <= a * period + period - 1)
+                model.add(b * period <= start[e] - start[w] - dur[w])
+                model.add(start[e] - start[w] - dur[w] <= b * period + period - 1)
+                alive.append((round(ops[i].weight * _WEIGHT_SCALE), a - b))
+            model.add(
+                sum(weight * count for weight, count in alive) <= math.floor(problem.limit * _WEIGHT_SCALE + 1e-6)
+            )
