@@ -317,7 +317,13 @@ def _fast_execute(
     A RECV op completing makes key ``received + message``; ``need1`` and ``need2`` wait for that.
     """
     R = len(programs)
-    done = bytearray(NUM_KEY_BLOCKS * len(need1) // 3)
+    # done[-1] is set: a need of -1 (none) is always there. At most one rank waits for a key in a
+    # run that ends (a rank waiting for its own later product never ends), so waiter[key] is that
+    # rank; an overwritten waiter stays stuck, which only sends the schedule to the full checks.
+    num_keys = NUM_KEY_BLOCKS * len(need1) // 3
+    done = bytearray(num_keys + 1)
+    done[-1] = 1
+    waiter = [-1] * (num_keys + 1)
     num_groups = len(g_rank)
     remaining = [g_first[g + 1] - g_first[g] for g in range(num_groups)]
     started = bytearray(num_groups)
@@ -331,8 +337,6 @@ def _fast_execute(
     for g, r in enumerate(g_rank):
         end_group[r] = g + 1
     pc = [0] * R
-    blocked = [-1] * R
-    waiting: dict[int, list[int]] = {}
     queue = list(range(R))
 
     def start(g: int) -> int:
@@ -349,10 +353,8 @@ def _fast_execute(
                 remaining[og] = og_left
                 t = received + (op >> 1)
                 done[t] = 1
-                if waiting:
-                    woken = waiting.pop(t, None)
-                    if woken:
-                        queue.extend(woken)
+                if waiter[t] >= 0:
+                    queue.append(waiter[t])
                 if not og_left:
                     queue.append(g_rank[og])
         remaining[g] = left
@@ -374,19 +376,15 @@ def _fast_execute(
             x = program[i]
             if x >= 0:
                 t = need1[x]
-                if t < 0 or done[t]:
+                if done[t]:
                     t = need2[x]
-                    if t < 0 or done[t]:
+                    if done[t]:
                         done[x] = 1
-                        if waiting:
-                            woken = waiting.pop(x, None)
-                            if woken:
-                                queue.extend(woken)
+                        if waiter[x] >= 0:
+                            queue.append(waiter[x])
                         i += 1
                         continue
-                if blocked[r] != t:
-                    blocked[r] = t
-                    waiting.setdefault(t, []).append(r)
+                waiter[t] = r
                 break
             g = -x - 1
             i += 1
@@ -404,10 +402,8 @@ def _fast_execute(
                     remaining[og] = og_left
                     t = received + (op >> 1)
                     done[t] = 1
-                    if waiting:
-                        woken = waiting.pop(t, None)
-                        if woken:
-                            queue.extend(woken)
+                    if waiter[t] >= 0:
+                        queue.append(waiter[t])
                     if not og_left:
                         queue.append(g_rank[og])
                     head[r] = g + 1

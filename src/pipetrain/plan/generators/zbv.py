@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from pipetrain.plan.actions import Action
+from pipetrain.plan.actions import Action, ActionKind, new_action
 from pipetrain.plan.dependencies import C_F, C_I, Dependencies
 from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.generators._common import I, Program, VRank, W, make_schedule, v_placement
@@ -70,31 +70,42 @@ class _Rank(VRank):
         self.iw(chunk)
 
 
+# The pattern's moves: a kind on a chunk. Each chunk forwards, inputs-backward and
+# weight-backwards its microbatches in order (a W takes the oldest I's microbatch, and the Is come
+# in order), so a move's microbatch is how many of the same move came before it.
+_F0, _F1, _I0, _I1, _W0, _W1 = range(6)
+_MOVE_KINDS = (ActionKind.F, ActionKind.F, ActionKind.I, ActionKind.I, ActionKind.W, ActionKind.W)
+
+
 def _rank_program(rank: int, num_ranks: int, n: int) -> Program:
-    """The paper's per-rank order for n >= 2p-1 microbatches."""
+    """The paper's per-rank order for n >= 2p-1 microbatches.
+
+    Written as a list of moves (C-level list repetition for the phases), then made actions in one
+    pass: a call or two per action instead of the half dozen of a method per move.
+    """
     p = num_ranks
-    st = _Rank(rank, p)
-    for _ in range(2 * (p - rank) - 1):
-        st.f(0)
-    for _ in range(rank):
-        st.f(1)
-        st.f(0)
-    for _ in range(p - rank):
-        st.fiw(1)
-    while st.next_f[0] < n or st.next_f[1] < st.next_f[0]:
-        if st.next_f[0] < n:
-            st.f(0)
-        st.iw(0)
-        st.fiw(1)
-    for _ in range(rank):
-        st.i(0)
-        st.i(1)
-    for _ in range(p - rank):
-        st.iw(0)
-    for chunk in (1, 0):
-        while st.pending_w[chunk]:
-            st.w(chunk)
-    return st.program
+    moves = [_F0] * (2 * (p - rank) - 1) + [_F1, _F0] * rank + [_F1, _I1, _W1] * (p - rank)
+    f0, f1 = 2 * (p - rank) - 1 + rank, p  # forwards issued per chunk so far
+    while f0 < n or f1 < f0:
+        if f0 < n:
+            moves.append(_F0)
+            f0 += 1
+        moves += (_I0, _W0, _F1, _I1, _W1)
+        f1 += 1
+    moves += [_I0, _I1] * rank + [_I0, _W0] * (p - rank)
+    # The deferred Ws, chunk 1 first: each chunk has `rank` Is without their W by now.
+    moves += [_W1] * rank + [_W0] * rank
+    stage = (rank, 2 * p - 1 - rank) * 3
+    kinds = _MOVE_KINDS
+    count = [0] * 6
+    program: Program = []
+    append = program.append
+    new = new_action
+    for move in moves:
+        mb = count[move]
+        count[move] = mb + 1
+        append(new(Action, (stage[move], kinds[move], mb, None)))
+    return program
 
 
 def _list_schedule(num_ranks: int, num_microbatches: int) -> dict[int, Program]:
