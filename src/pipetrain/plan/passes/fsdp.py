@@ -83,17 +83,31 @@ def fsdp_slots(
         last_use[s] = k
 
     for k, action in enumerate(computes):
-        subs = action.sub_actions
-        if subs is None:
-            s = action.stage
-            prev = last_use[s]
-            if prev >= 0 and k - prev <= window:
-                last_use[s] = k
-            else:
-                use(s, k)
-        else:
+        s, _, _, subs = action
+        if subs is not None:
             for part in subs:
                 use(part.stage, k)
+            continue
+        # use(s, k), inline: this runs once per compute action of the schedule.
+        prev = last_use[s]
+        last_use[s] = k
+        if prev >= 0:
+            if k - prev <= window:
+                continue
+            slot = after[prev]
+            if slot is None:
+                after[prev] = [reshard[s]]
+            else:
+                slot.append(reshard[s])
+            k_before = k - prefetch
+        else:
+            first_seen.append(s)
+            k_before = max(0, k - prefetch)
+        slot = before[k_before]
+        if slot is None:
+            before[k_before] = [unshard[s]]
+        else:
+            slot.append(unshard[s])
     for s in first_seen:
         _add(after, last_use[s], reshard[s])
     return before, after
