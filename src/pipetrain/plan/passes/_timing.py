@@ -61,16 +61,21 @@ def unit_time_run(schedule: Schedule) -> UnitRun:
     lowered = 0
     starts: list[list[int]] = [[] for _ in range(R)]
     by_time: list[list[Action]] = []
-    end = [-1] * (3 * SM)
+    # A part's end time per node; then M entries that have always ended: the keys of a need that
+    # is not there (base ``NONE``), so that every part reads two needs without a loop.
+    NONE = 3 * SM
+    end = [-1] * (3 * SM) + [0] * M
     free = [0] * R
     codes = CODE
     walk = Walk.of(schedule.actions, R)
     programs, pc, waiting, queue = walk.programs, walk.pc, walk.waiting, walk.queue
 
-    # Per kind code and stage: (what it needs, what it makes, whether that leaves the rank).
+    # Per kind code and stage: (its two needs' bases, what it makes, whether that leaves the rank).
     rules = [
-        [(need_keys[code][s], make_key[code][s], sends_of[code][s]) for s in range(S)] for code in range(C_OVERLAP)
+        [(*(need_keys[code][s] + (NONE, NONE))[:2], make_key[code][s], sends_of[code][s]) for s in range(S)]
+        for code in range(C_OVERLAP)
     ]
+    assert all(len(keys) <= 2 for rows in need_keys for keys in rows), "unlowered parts need at most two keys"
     try:
         while queue:
             r = queue.pop()
@@ -84,18 +89,16 @@ def unit_time_run(schedule: Schedule) -> UnitRun:
                 s, kind, m, _ = a
                 code = codes[kind._value_]
                 if code < C_OVERLAP:  # a plain compute part: the common case, inline
-                    needs, node, sends = rules[code][s]
-                    missing = -1
-                    for key in needs:
-                        e = end[key + m]  # type: ignore[operator]
-                        if e < 0:
-                            missing = key + m  # type: ignore[operator]
-                            break
-                        if e > t0:
-                            t0 = e
-                    if missing >= 0:
-                        waiting.setdefault(missing, []).append(r)
+                    need1, need2, node, sends = rules[code][s]
+                    e1 = end[need1 + m]  # type: ignore[operator]
+                    e2 = end[need2 + m]  # type: ignore[operator]
+                    if e1 < 0 or e2 < 0:
+                        waiting.setdefault(need1 + m if e1 < 0 else need2 + m, []).append(r)  # type: ignore[operator]
                         break
+                    if e1 > t0:
+                        t0 = e1
+                    if e2 > t0:
+                        t0 = e2
                     # Placement, range and the W-after-I rule are checked once the action can run:
                     # one that breaks them and blocks instead (on a node its wrong indices name)
                     # leaves the run stuck, and either way validate() names it.
@@ -163,7 +166,7 @@ def unit_time_run(schedule: Schedule) -> UnitRun:
     ran = sum(len(row) for row in starts) + overlap_extra
     if M < 1 or 3 * SM - end.count(-1) != ran or -1 in end[:SM]:
         _fail(schedule, "the compute schedule is incomplete or runs an action twice")
-    if ran > SM and (-1 in end[SM : 2 * SM] or SM - end[2 * SM :].count(-1) != sum(is_i)):
+    if ran > SM and (-1 in end[SM : 2 * SM] or SM - end[2 * SM : 3 * SM].count(-1) != sum(is_i)):
         _fail(schedule, "the compute schedule is incomplete")
     return UnitRun(starts, by_time, max(free, default=0), lowered)
 
