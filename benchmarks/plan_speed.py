@@ -13,7 +13,8 @@ best of several runs, each after a full collection: ours ``--repeat`` (default 3
 ``--torch-repeat`` (default 3 at 32 ranks and 1 at 64, where one construction takes tens of
 seconds).
 
-Run: ``.venv/bin/python benchmarks/plan_speed.py [--repeat N] [--torch-repeat N] [--no-torch]``.
+Run: ``.venv/bin/python benchmarks/plan_speed.py [--repeat N] [--torch-repeat N] [--no-torch]
+[--config NAME:RANKS:MICROBATCHES ...]``.
 Prints a markdown table: per configuration our times, torch's, the speed-up, and the growth from
 the smaller to the larger size (4× the actions: linear growth is about 4×).
 """
@@ -95,7 +96,19 @@ def main() -> None:
         help="runs per measurement of torch's constructor (best is kept; default 3 at 32 ranks, 1 at 64)",
     )
     parser.add_argument("--no-torch", action="store_true", help="skip torch's constructors (they take minutes)")
+    parser.add_argument(
+        "--config",
+        action="append",
+        metavar="NAME:RANKS:MICROBATCHES",
+        help="run only these configurations (repeatable; default: all four), e.g. ZBVZeroBubble:32:256",
+    )
     args = parser.parse_args()
+    configs = CONFIGS
+    if args.config:
+        configs = []
+        for text in args.config:
+            name, ranks, microbatches = text.split(":")
+            configs.append((name, int(ranks), int(microbatches)))
     if not args.no_torch:
         import _torch_reference  # noqa: F401  (imports torch: its cost stays outside the timings)
     # Move what the imports allocated (torch's many objects) out of the collector's way, so that
@@ -104,7 +117,7 @@ def main() -> None:
     gc.freeze()
 
     rows = []
-    for name, p, m in CONFIGS:
+    for name, p, m in configs:
         mine = ours(name, p, m, args.repeat)
         runs = torch_repeat_for(p, args.torch_repeat)
         theirs = None if args.no_torch else torch_constructor(name, p, m, runs)
@@ -130,15 +143,21 @@ def main() -> None:
         f"Times are the best of {args.repeat} runs for ours and of the runs shown for torch's constructor, "
         "each run after a full collection."
     )
-    print()
-    print("Growth from 32 × 2 × 256 to 64 × 2 × 512 (4× the actions; linear ≈ 4×):")
-    for name in dict.fromkeys(n for n, _, _ in CONFIGS):
-        small, large = [r for r in rows if r[0] == name]
+    growth = []
+    for name in dict.fromkeys(n for n, _, _ in configs):
+        sizes = [r for r in rows if r[0] == name]
+        if len(sizes) != 2:
+            continue  # (growth needs both sizes)
+        small, large = sizes
         line = f"- {name}: ours {large[3]['total'] / small[3]['total']:.1f}×"
         line += f" (validate lowered {large[3]['validate_lowered'] / small[3]['validate_lowered']:.1f}×)"
         if small[4] is not None and large[4] is not None:
             line += f", torch {large[4] / small[4]:.1f}×"
-        print(line)
+        growth.append(line)
+    if growth:
+        print()
+        print("Growth from 32 × 2 × 256 to 64 × 2 × 512 (4× the actions; linear ≈ 4×):")
+        print("\n".join(growth))
 
 
 if __name__ == "__main__":
