@@ -124,6 +124,50 @@ def test_every_rank_fails_fast_and_names_the_failure() -> None:
         assert elapsed < 30 and "rank 0, step 0, action 0SEND_F0" in msg and "pickle" in msg, (rank, msg)
 
 
+def _late_to_agree(rank: int, world: int) -> dict[str, tuple[str, float]]:
+    import os
+
+    import torch.distributed as dist
+
+    from pipetrain import PipelineStage, ScheduleGPipe
+
+    store = dist.distributed_c10d._get_default_store()
+    out: dict[str, tuple[str, float]] = {}
+    x = torch.randn(8, 4)
+    for mode in ("tags", "single tag"):
+        if mode == "single tag":
+            os.environ["PIPETRAIN_SINGLE_TAG"] = "1"  # headers on the control plane, as under NCCL
+        group = dist.new_group(backend="gloo")
+        torch.manual_seed(0)
+        stage = PipelineStage(nn.Linear(4, 4), rank, world, "cpu", group=group)
+        sched = ScheduleGPipe(stage, 4, loss_fn=nn.functional.mse_loss, timeout=10)
+        dist.barrier()  # every rank built its schedule before rank 2 can fail (else rank 0 is not started)
+        if rank == 0:
+            # Rank 0 comes to the agreement last, once rank 1 gave up there: rank 1 waited for rank
+            # 0's key and read the story of rank 2, which was past the agreement (it needs rank 1's
+            # key only) and failed. Rank 0 then finds every key it needs and passes.
+            store.wait([f"test/late_to_agree/{mode}"])
+        out[mode] = _expect_error(lambda s=sched: s.step(*((x,) if rank == 0 else ()), target=None))
+        if rank == 1:
+            store.set(f"test/late_to_agree/{mode}", "stopped")
+    dist.barrier()  # nobody leaves early: a closed connection would wake rank 0 by itself
+    return out
+
+
+def test_a_peer_that_fails_while_agreeing_wakes_a_rank_already_past_the_agreement() -> None:
+    """Rank 1 hears of rank 2's failure while it waits to agree with rank 0, and stops there,
+    having posted nothing: no failure notice. Rank 0, arriving later, finds rank 1's key and passes
+    the agreement, then waits for rank 1's gradient. It must learn of the failure at once (from the
+    round's story), not at its 10 s timeout. (The flaky "no target" case above, made deterministic.)"""
+    results = run_ranks(_late_to_agree, 3, timeout=120)
+    for mode in ("tags", "single tag"):
+        msg, elapsed = results[1][mode]
+        assert "stopped before the first step" in msg, (mode, msg)  # the phase under test
+        msg, elapsed = results[0][mode]
+        assert elapsed < 5, (mode, elapsed, msg)
+        assert "rank 0, step 0" in msg and "0RECV_B" in msg and "rank 2, step 0" in msg and "no target" in msg, msg
+
+
 class Slow(nn.Module):
     """A stage that takes its time: its peer fails while a send to it is still pending."""
 

@@ -264,12 +264,15 @@ class PipelineScheduleRuntime(StepDriver):
             raise PipelineError(f"rank {self.rank}: this schedule cannot run: {dead_group(story)}")
         executor = self._executor
         executor.begin(prepared.program(self.rank), step_index)  # what a failure before the first action cancels
-        if not prepared.agreed:
+        first = not prepared.agreed
+        if first:
             try:
                 agree(self._failure, prepared.base, self.rank, self.timeout, self.poll_interval, self._where)
             except Exception as exc:
-                # Nothing was posted yet, so the group stays usable. Peers past their agreement wait
-                # for this rank's messages: the round's story wakes them.
+                # Nothing was posted yet, so the group stays usable (no failure notice is sent: a
+                # peer that did not get past its agreement would take it in its next round). Peers
+                # past their agreement wait for this rank's messages: the round's story wakes them,
+                # as they watch it throughout their first step (below).
                 message = str(exc) if str(exc).startswith("rank ") else f"rank {self.rank}: {type(exc).__name__}: {exc}"
                 self._report(message)
                 executor.clear()
@@ -277,12 +280,16 @@ class PipelineScheduleRuntime(StepDriver):
                     raise
                 raise PipelineError(message) from exc
             prepared.agreed = True
+        # The agreed step: a neighbour may still fail in its agreement (after this rank read its
+        # key) and send no notice, so receives poll the story while they wait (see Waiter.watch).
+        self._waiter.watch = first
         try:
             yield
         except BaseException as exc:
             self._fail(executor, exc)
             raise AssertionError("unreachable") from exc  # _fail always raises
         finally:
+            self._waiter.watch = False
             self._last = (executor.events, step_index, prepared.schedule)  # a timeline is built on demand
             executor.clear()
 

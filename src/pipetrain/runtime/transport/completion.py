@@ -35,15 +35,23 @@ def _describe(what: Any) -> str:
 
 
 class _Job:
-    __slots__ = ("done", "error", "keep", "on_done", "what", "works")
+    __slots__ = ("done", "error", "keep", "limit", "on_done", "what", "works")
 
     def __init__(
-        self, works: list[Any], what: str, keep: Any = None, on_done: Callable[[], None] | None = None
+        self,
+        works: list[Any],
+        what: str,
+        keep: Any = None,
+        on_done: Callable[[], None] | None = None,
+        limit: timedelta | None = None,
     ) -> None:
         self.works = works
         self.what = what
         self.keep = keep
         self.on_done = on_done
+        # A receive watched while it completes (Waiter.watch): waited with this bound, and its
+        # error is raised by the thread that waits on `done`, not told through `finished`.
+        self.limit = limit
         self.done = threading.Event()
         self.error: BaseException | None = None
 
@@ -53,13 +61,17 @@ def _serve(jobs: queue.SimpleQueue[_Job | None], finished: deque[_Job] | None) -
         job = jobs.get()
         if job is None:
             return
+        limit = job.limit
         try:
             for work in job.works:
-                work.wait()
+                if limit is None:
+                    work.wait()
+                else:
+                    work.wait(limit)
         except BaseException as err:  # reported by the thread that waits on job.done
             job.error = err
         job.keep = None
-        if finished is not None:
+        if finished is not None and limit is None:
             finished.append(job)
         job.done.set()
 
@@ -72,6 +84,13 @@ class Waiter:
     notices (:meth:`DistTransport.poison`), a crashed one closes its connections. The sends of a
     step are waited on together at its end by a helper thread while the caller polls the failure
     channel, because a send to a rank that stopped before posting its receive never completes.
+
+    ``watch``: receives too are waited on by the helper thread while the caller polls the failure
+    channel. The driver sets it for the first step of a schedule, the one the ranks agree on
+    (:func:`~pipetrain.runtime.failures.agree`): a neighbour that fails while agreeing (it heard
+    of a failure elsewhere, found the schedules differ, or timed out) has posted nothing, so it
+    sends no failure notice, yet this rank may already be past the agreement (the neighbour's key
+    was there) and waiting for its messages. Only the round's story then tells this rank.
     """
 
     def __init__(self, failure: FailureChannel | None, timeout: float, poll: float, where: Callable[[], str]) -> None:
@@ -84,31 +103,54 @@ class Waiter:
         self._finished: deque[_Job] = deque()
         self._outstanding: deque[tuple[list[Any], str, Any, Callable[[], None] | None]] = deque()
         self._device: list[Any] = []  # sends of device data, completed on the stream at drain()
+        self.watch = False  # receives waited on by the helper thread, watching the failure channel
         threading.Thread(target=_serve, args=(self._bg, self._finished), daemon=True, name="pipetrain-sends").start()
 
     def wait(self, works: list[Any], what: Any) -> None:
         """Wait for ``works``; ``what`` (a string, or a handle or item :func:`_describe` names) is for errors."""
+        if self.watch and self.failure is not None:
+            self._wait_watching(works, what)
+            return
         limit = self._limit
         start = time.monotonic()
         for work in works:
             try:
                 work.wait(limit)
             except Exception as err:
-                handle_peer = what.peer if isinstance(what, RecvHandle) else None
-                what = _describe(what)
-                story = None if self.failure is None else self.failure.check()
-                if story is not None:
-                    raise RemoteFailureError(f"{self.where()}: waiting for {what} failed because {story}") from err
-                waited = time.monotonic() - start
-                if waited >= self.timeout:
-                    peer = f"rank {handle_peer}" if handle_peer is not None else "the sender"
-                    how = (
-                        f"timed out after {self.timeout:g} s (no rank reported a failure: {peer}, or a rank it "
-                        "waits for, may be stalled)"
-                    )
-                else:
-                    how = f"failed after {waited:.2g} s (no rank reported a failure)"
-                raise PipelineError(f"{self.where()}: waiting for {what} {how}: {err}") from err
+                raise self._wait_failed(err, what, start) from err
+
+    def _wait_watching(self, works: list[Any], what: Any) -> None:
+        """:meth:`wait` on the helper thread (same bound, same errors), polling the failure channel
+        meanwhile: raises as soon as a rank left its story."""
+        assert self.failure is not None
+        start = time.monotonic()
+        job = _Job(works, "", limit=self._limit)
+        self._bg.put(job)
+        while not job.done.wait(self.poll):
+            story = self.failure.check()
+            if story is not None:
+                # The thread stays on the receive (kept alive with the transport's) until its bound.
+                raise RemoteFailureError(f"{self.where()}: stopped while waiting for {_describe(what)} because {story}")
+        if job.error is not None:
+            raise self._wait_failed(job.error, what, start) from job.error
+
+    def _wait_failed(self, err: BaseException, what: Any, start: float) -> PipelineError:
+        """The error for a wait on ``what`` that raised ``err``: the failure that caused it, or the timeout."""
+        handle_peer = what.peer if isinstance(what, RecvHandle) else None
+        what = _describe(what)
+        story = None if self.failure is None else self.failure.check()
+        if story is not None:
+            return RemoteFailureError(f"{self.where()}: waiting for {what} failed because {story}")
+        waited = time.monotonic() - start
+        if waited >= self.timeout:
+            peer = f"rank {handle_peer}" if handle_peer is not None else "the sender"
+            how = (
+                f"timed out after {self.timeout:g} s (no rank reported a failure: {peer}, or a rank it "
+                "waits for, may be stalled)"
+            )
+        else:
+            how = f"failed after {waited:.2g} s (no rank reported a failure)"
+        return PipelineError(f"{self.where()}: waiting for {what} {how}: {err}")
 
     def wait_stream(self, works: list[Any], what: Any) -> None:
         """Make the current stream wait for ``works`` (NCCL: no host wait; gloo: a plain wait).
