@@ -161,15 +161,14 @@ def _fast_run(schedule: Schedule, strict: bool) -> bool:
     # SEND/RECV ops are numbered 2 * message (+ 1 for the RECV): an op's peer is op ^ 1. Per
     # SEND/RECV kind and stage: (twice the message base, the (sender, receiver) FIFO list, and for
     # a RECV the offset from the message to its user's node); no list where no message crosses.
-    fifo_send: list[list[int]] = [[] for _ in range(R * R)]  # messages per (sender, receiver), posting order
-    fifo_recv: list[list[int]] = [[] for _ in range(R * R)]
+    pairs: dict[int, tuple[list[int], list[int]]] = {}  # per (sender, receiver): messages sent, received
     routes = []
     for kind in (SEND_F, SEND_B, RECV_F, RECV_B):
         row: list[tuple[int, list[int] | None, int]] = []
         for base, src, dst in deps.routes[kind._value_]:
             a, b = (rank_of[src], rank_of[dst]) if src >= 0 and dst >= 0 else (-1, -1)
-            table = fifo_send if kind is SEND_F or kind is SEND_B else fifo_recv
-            row.append((2 * base, None if a < 0 or b < 0 or a == b else table[a * R + b], (dst - src) * M))
+            ends = None if a < 0 or b < 0 or a == b else pairs.setdefault(a * R + b, ([], []))
+            row.append((2 * base, None if ends is None else ends[kind is RECV_F or kind is RECV_B], (dst - src) * M))
         routes.append(row)
     send_f, send_b, recv_f, recv_b = routes
     node_step = [-1] * (3 * SM)
@@ -294,7 +293,7 @@ def _fast_run(schedule: Schedule, strict: bool) -> bool:
                     lo = 2 * (block * SM + s * M)
                     if min(op_group[lo : lo + 2 * M]) < 0:
                         return False
-        if fifo_send != fifo_recv:
+        if any(sent != got for sent, got in pairs.values()):
             return False
     received = RECEIVED * SM if lowered else 0
     need1, need2, _, _, _ = deps.flat((C_F, C_I, C_W), cross_offset=received)  # (see _node_needs)
