@@ -13,7 +13,8 @@ What an action needs is the dependency core's (:mod:`pipetrain.plan.dependencies
 means is the driver's: a start time in unit time (lowering), under a cost model (simulate), or the
 strict or loose communication model (validate). The outcome does not depend on the order in which
 ranks are picked up. The drivers keep their per-action loops themselves: the loop is the hot path
-of planning.
+of planning. (validate's fast path, which only accepts, runs the same loop on flat tables without
+a Walk: one waiter per key, since a run that ends never has two; see ``validate._fast_execute``.)
 """
 
 from __future__ import annotations
