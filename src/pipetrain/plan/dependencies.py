@@ -194,12 +194,22 @@ class Dependencies:
         ranks, and what it makes. Unlowered rules only: a lowered input is two keys.
         ``cross_offset`` is added to the keys of needs that cross ranks (validate waits for a
         lowered schedule's crossing input as its message received: ``RECEIVED * SM`` on)."""
+        return self._flat(codes, cross_offset, True)
+
+    def flat_needs(self, codes: Sequence[int], *, cross_offset: int = 0) -> tuple[list[int], list[int]]:
+        """The first two tables of :meth:`flat` alone (validate's run reads nothing else)."""
+        need1, need2, _, _, _ = self._flat(codes, cross_offset, False)
+        return need1, need2
+
+    def _flat(
+        self, codes: Sequence[int], cross_offset: int, full: bool
+    ) -> tuple[list[int], list[int], list[bool], list[bool], list[int]]:
         assert not self.lowered, "flat tables hold at most two needs per action: use unlowered rules"
         S, M, SM = self.S, self.M, self.SM
         size = len(codes) * SM
         need1, need2 = [-1] * size, [-1] * size
-        cross1, cross2 = [False] * size, [False] * size
-        made = [-1] * size
+        cross1, cross2 = ([False] * size, [False] * size) if full else ([], [])
+        made = [-1] * size if full else []
         for j, code in enumerate(codes):
             for s in range(S):
                 base = j * SM + s * M
@@ -209,8 +219,10 @@ class Dependencies:
                     if crosses:
                         key += cross_offset
                     keys[base : base + M] = range(key, key + M)
-                    flags[base : base + M] = [crosses] * M
-                made[base : base + M] = range(self.make_key[code][s], self.make_key[code][s] + M)
+                    if full:
+                        flags[base : base + M] = [crosses] * M
+                if full:
+                    made[base : base + M] = range(self.make_key[code][s], self.make_key[code][s] + M)
         return need1, need2, cross1, cross2, made
 
     def route(self, action: Action) -> tuple[int, int, int]:

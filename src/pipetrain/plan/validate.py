@@ -296,7 +296,7 @@ def _fast_run(schedule: Schedule, strict: bool) -> bool:
         if any(sent != got for sent, got in pairs.values()):
             return False
     received = RECEIVED * SM if lowered else 0
-    need1, need2, _, _, _ = deps.flat((C_F, C_I, C_W), cross_offset=received)  # (see _node_needs)
+    need1, need2 = deps.flat_needs((C_F, C_I, C_W), cross_offset=received)  # (see _node_needs)
     return _fast_execute(programs, need1, need2, received, strict, gops, g_first, g_rank, op_group)
 
 
@@ -949,8 +949,7 @@ def _node_needs(deps: Dependencies) -> tuple[list[int], list[int]]:
     completing implies the SEND was posted)."""
     plain = Dependencies(deps.S, deps.M, deps.rank_of, lowered=False)
     # X is B's or I's product: the same needs.
-    need1, need2, _, _, _ = plain.flat((C_F, C_I, C_W), cross_offset=RECEIVED * deps.SM if deps.lowered else 0)
-    return need1, need2
+    return plain.flat_needs((C_F, C_I, C_W), cross_offset=RECEIVED * deps.SM if deps.lowered else 0)
 
 
 def _run_overlap(
