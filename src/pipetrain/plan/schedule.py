@@ -11,7 +11,8 @@ import csv
 import io
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from operator import itemgetter
+from typing import Any, cast
 
 from pipetrain.plan._jsonio import (
     is_json_text,
@@ -26,6 +27,10 @@ from pipetrain.plan.actions import Action, ActionKind
 from pipetrain.plan.errors import ScheduleError
 
 __all__ = ["Schedule", "is_schedule_file"]
+
+_PLAIN_ROW = {Action}
+_NO_SUB_ACTIONS = {None}
+_STAGE, _SUB_ACTIONS, _MICROBATCH = itemgetter(0), itemgetter(3), itemgetter(2)
 
 _JSON_FORMAT = "pipetrain.schedule"
 _JSON_VERSION = 1
@@ -143,9 +148,21 @@ class Schedule:
         max_mb = -1
         extra_parts = 0  # OVERLAP_F_B sub-actions beyond the first (counted off the hot path)
         for rank in ranks:
+            row = self._actions[rank]
+            # A row of plain actions on stages no other rank names (a generator's): the same
+            # facts from C-level passes; any other row takes the loop below, which words errors.
+            plain = cast("list[Action]", row)
+            if set(map(type, row)) == _PLAIN_ROW and set(map(_SUB_ACTIONS, plain)) == _NO_SUB_ACTIONS:
+                stages = dict.fromkeys(map(_STAGE, plain))  # (in order of first use, as the loop adds them)
+                if all(seen.setdefault(s, rank) == rank for s in stages):
+                    max_stage = max(max_stage, *stages)
+                    mbs = set(map(_MICROBATCH, plain))
+                    mbs.discard(None)
+                    max_mb = max(max_mb, *mbs) if mbs else max_mb
+                    continue
             # Plain loops and comparisons: schedules hold hundreds of thousands of actions.
             last_stage = -1
-            for step, action in enumerate(self._actions[rank]):
+            for step, action in enumerate(row):
                 if action is None:
                     continue
                 if type(action) is not Action and not isinstance(action, Action):
