@@ -254,7 +254,7 @@ def plan_schedule(
         found.sort(key=lambda item: item[0])
         polished: list[tuple[float, Problem, Orders]] = []
         for makespan, problem, orders in found:
-            orders, makespan = polish(problem, orders, makespan, deadline, rng)
+            orders, makespan = polish(problem, orders, makespan, deadline, rng, blocks_first=best_named is None)
             polished.append((makespan, problem, orders))
         found = polished
     if found:

@@ -31,7 +31,10 @@ __all__ = [
     "windows_fit",
 ]
 
-_PERIODIC_SHARE = 0.15  # of the time: periodic blocks (modulo scheduling)
+_PERIODIC_SHARE = 0.15  # of the time: periodic blocks (modulo scheduling) ...
+_PERIODIC_EXACT_SHARE = 0.3  # ... and when CP-SAT places them too
+_BELOW_NAMED = 5 / 3  # more when no named schedule fits (0.5 of the time with CP-SAT)
+_BLOCKS_IN_POLISH = 0.4  # of polish's time, for blocks placed by CP-SAT (see polish)
 _EXACT_MAX_BLOCK = 200  # actions in one microbatch's block that CP-SAT takes (exact periodic blocks)
 _GREEDY_SHARE = 0.35  # of the time: list scheduling under the rule grid and random restarts
 _EXACT_SHARE = 0.5  # of what is left, for CP-SAT when ortools is installed and the problem is small
@@ -74,17 +77,16 @@ def _policies(problem: Problem) -> Iterator[Policy]:
             )
 
 
-def periodic_seeds(problem: Problem, deadline: float, rng: random.Random) -> list[Orders]:
-    """Orders of the best periodic blocks, within ``_PERIODIC_SHARE`` of the time to ``deadline``:
-    placed greedily, then, when CP-SAT can take the block, its shortest blocks from the best
-    greedy ones (one per lane count). None with fewer than two microbatches per rank: there is
-    no steady state to repeat, and the warm-up and cool-down are list scheduling's strength."""
+def periodic_seeds(problem: Problem, until: float, rng: random.Random, exact_blocks: bool) -> list[Orders]:
+    """Orders of the best periodic blocks found by ``until``: placed greedily, then, with
+    ``exact_blocks`` when CP-SAT can take the block, its shortest blocks from the best greedy
+    ones (one per lane count). None with fewer than two microbatches per rank: there is no steady
+    state to repeat, and the warm-up and cool-down are list scheduling's strength."""
     if problem.num_microbatches < 2 * problem.num_ranks:
         return []
+    exact_too = exact_blocks and exact_periodic_fit(problem)
     now = time.perf_counter()
-    until = now + _PERIODIC_SHARE * max(0.0, deadline - now)
-    exact_too = exact.ready() and exact.solvable(problem) and 3 * problem.num_stages <= _EXACT_MAX_BLOCK
-    blocks = greedy_blocks(problem, now + (0.4 if exact_too else 0.8) * (until - now), rng)
+    blocks = greedy_blocks(problem, now + (0.2 if exact_too else 0.8) * max(0.0, until - now), rng)
     if exact_too:
         split = [b for b in blocks if any(op.kind == KIND_W for op in b.ops)]
         firsts: dict[int, Block] = {}
@@ -92,9 +94,13 @@ def periodic_seeds(problem: Problem, deadline: float, rng: random.Random) -> lis
             firsts.setdefault(block.lanes, block)
         for index, block in enumerate(firsts.values()):
             now = time.perf_counter()
-            share = max(0.0, now + 0.85 * (until - now) - now) / (len(firsts) - index)
-            blocks += cyclic.exact_blocks(problem, block, now + share)
+            blocks += cyclic.exact_blocks(problem, block, now + 0.85 * max(0.0, until - now) / (len(firsts) - index))
     return best_orders(problem, blocks, until)
+
+
+def exact_periodic_fit(problem: Problem) -> bool:
+    """Whether CP-SAT (imported) can place ``problem``'s periodic blocks."""
+    return exact.ready() and exact.solvable(problem) and 3 * problem.num_stages <= _EXACT_MAX_BLOCK
 
 
 def merge_backward(problem: Problem, orders: Orders) -> Orders:
@@ -127,7 +133,19 @@ def construct(
     list scheduling, local search, then :func:`polish` for ``polish_share`` of what time is left
     (by default most of it when ortools can take it, else none)."""
     pool: list[tuple[tuple[float, float], Orders]] = []
-    for seed_orders in [*seeds, *periodic_seeds(problem, deadline, rng)]:
+    for seed_orders in seeds:
+        if problem.complete(seed_orders) and problem.fits(seed_orders):
+            pool.append((problem.score(seed_orders), seed_orders))
+    below_named = not pool
+    if polish_share is None:
+        polish_share = _EXACT_SHARE if uses_windows(problem) else 0.0
+    # Blocks placed by CP-SAT here only when this call polishes too (else :func:`polish` does it).
+    exact_blocks = polish_share > 0.0 and exact_periodic_fit(problem)
+    share = _PERIODIC_EXACT_SHARE if exact_blocks else _PERIODIC_SHARE
+    if below_named:
+        share *= _BELOW_NAMED
+    until = time.perf_counter() + share * max(0.0, deadline - time.perf_counter())
+    for seed_orders in periodic_seeds(problem, until, rng, exact_blocks):
         if problem.complete(seed_orders) and problem.fits(seed_orders):
             pool.append((problem.score(seed_orders), seed_orders))
     greedy_until = time.perf_counter() + _GREEDY_SHARE * max(0.0, deadline - time.perf_counter())
@@ -143,8 +161,6 @@ def construct(
     if not pool:
         return None
     pool.sort(key=lambda item: item[0])
-    if polish_share is None:
-        polish_share = _EXACT_SHARE if uses_windows(problem) else 0.0
     improve_until = deadline - polish_share * max(0.0, deadline - time.perf_counter())
     best, makespan = improve(problem, pool[0][1], improve_until, rng)
     if makespan == float("inf"):
@@ -166,12 +182,25 @@ def uses_windows(problem: Problem) -> bool:
 
 
 def polish(
-    problem: Problem, orders: Orders, makespan: float, deadline: float, rng: random.Random
+    problem: Problem,
+    orders: Orders,
+    makespan: float,
+    deadline: float,
+    rng: random.Random,
+    blocks_first: bool = False,
 ) -> tuple[Orders, float]:
     """Better orders than ``orders`` (makespan ``makespan``, never worse) found by ``deadline``:
     CP-SAT over windows of time when ortools is installed and the problem fits the model, else
-    more local search. A backward whose W directly follows its I is then run as one B."""
+    more local search. A backward whose W directly follows its I is then run as one B.
+    ``blocks_first``: periodic blocks placed by CP-SAT come first (for a layout whose first look
+    did without them, where no named schedule fits)."""
     best = orders
+    if blocks_first and exact_periodic_fit(problem):
+        until = time.perf_counter() + _BLOCKS_IN_POLISH * max(0.0, deadline - time.perf_counter())
+        for found in periodic_seeds(problem, until, rng, exact_blocks=True):
+            score = problem.makespan(found)
+            if score < makespan - 1e-9 and problem.fits(found):
+                best, makespan = found, score
     left = deadline - time.perf_counter()
     if left > 0.1:
         if uses_windows(problem):
