@@ -68,7 +68,11 @@ def unit_time_run(schedule: Schedule) -> UnitRun:
     free = [0] * R
     codes = CODE
     walk = Walk.of(schedule.actions, R)
-    programs, pc, waiting, queue = walk.programs, walk.pc, walk.waiting, walk.queue
+    programs, pc, queue = walk.programs, walk.pc, walk.queue
+    # The rank waiting for each key (-1: none). One suffices: a product has at most one user on
+    # another rank, and a user on the producer's rank never waits in a sound schedule (its producer
+    # comes first in the program, or the schedule deadlocks and validate() names it).
+    waiter = [-1] * len(end)
 
     # Per kind code and stage: (its two needs' bases, what it makes, whether that leaves the rank).
     rules = [
@@ -93,7 +97,7 @@ def unit_time_run(schedule: Schedule) -> UnitRun:
                     e1 = end[need1 + m]  # type: ignore[operator]
                     e2 = end[need2 + m]  # type: ignore[operator]
                     if e1 < 0 or e2 < 0:
-                        waiting.setdefault(need1 + m if e1 < 0 else need2 + m, []).append(r)  # type: ignore[operator]
+                        waiter[need1 + m if e1 < 0 else need2 + m] = r  # type: ignore[operator]
                         break
                     if e1 > t0:
                         t0 = e1
@@ -116,10 +120,8 @@ def unit_time_run(schedule: Schedule) -> UnitRun:
                     node += m  # type: ignore[operator]
                     t0 += 1
                     end[node] = t0
-                    if waiting:
-                        woken = waiting.pop(node, None)
-                        if woken:
-                            queue.extend(woken)
+                    if waiter[node] >= 0:
+                        queue.append(waiter[node])
                     i += 1
                     continue
                 if code > C_OVERLAP:
@@ -129,7 +131,7 @@ def unit_time_run(schedule: Schedule) -> UnitRun:
                 parts = a.parts
                 missing, t0 = _overlap_ready(parts, deps, end, t0)
                 if missing >= 0:
-                    waiting.setdefault(missing, []).append(r)
+                    waiter[missing] = r
                     break
                 row.append(t0)
                 t1 = t0 + 1
@@ -148,10 +150,8 @@ def unit_time_run(schedule: Schedule) -> UnitRun:
                         by_time[t0].append(p)
                     node = make_key[pcode][s] + m  # type: ignore[operator]
                     end[node] = t1
-                    if waiting:
-                        woken = waiting.pop(node, None)
-                        if woken:
-                            queue.extend(woken)
+                    if waiter[node] >= 0:
+                        queue.append(waiter[node])
                 overlap_extra += len(parts) - 1
                 t0 = t1
                 i += 1
