@@ -93,11 +93,10 @@ def _solve(
         model.add(end >= start[k] + dur[k])
         for j, lat in op.preds:
             model.add(start[k] >= start[j] + dur[j] + _ticks(lat))
-    # Lane 0 enters first (lanes are interchangeable) at time 0 (a shift changes nothing).
+    # Lane 0 enters at time 0 (a shift changes nothing), so first: lanes are interchangeable, and
+    # no start is below 0.
     firsts = [k for k, op in enumerate(ops) if op.kind == KIND_F and not op.preds]
     model.add(start[firsts[0]] == 0)
-    for k in firsts[1:]:
-        model.add(start[k] >= 0)
     # Phases on the circle: start = q * period + phase.
     phase = []
     for k in range(len(ops)):

@@ -1,8 +1,8 @@
-"""Periodic schedules: one microbatch's block of actions, repeated every ``period``.
+"""Periodic schedules: a block of actions of one or two microbatches, repeated every ``period``.
 
-This is modulo scheduling, as compilers pipeline loops: every action of one microbatch gets an
-offset, microbatch m runs it at ``offset + m * period``, and no two actions of a rank overlap
-modulo the period. A rank's memory is then set by the period alone (an activation lives from its
+This is modulo scheduling, as compilers pipeline loops: every action of a block gets an offset,
+the block's next microbatches run it one period later, and no two actions of a rank overlap
+modulo the period (two microbatches per block, *lanes*, let their memory peaks take turns). A rank's memory is then set by the period alone (an activation lives from its
 F to its W, and the count alive at once is that lifespan over the period), so a tight limit is met
 by a longer period rather than by starving the warm-up. The steady state is exact by construction,
 which is where list scheduling loses most under tight memory: on 4 ranks in a V with a limit of 4
@@ -40,7 +40,7 @@ class BlockAction:
     stage: int
     rank: int
     dur: float
-    weight: float  # held from this op's start (F) or released at its end (W, B)
+    weight: float  # memory: +a stage's activation at an F's start, - at a W's or B's end, 0 for I
     preds: tuple[tuple[int, float], ...]  # (op index, latency)
     lane: int  # which microbatch of the block: microbatch q * lanes + lane runs it in period q
 
@@ -75,7 +75,8 @@ class Block:
         return [[c for _, _, c in sorted(row)] for row in timed]
 
     def peak(self, problem: Problem) -> float:
-        """The largest memory any rank holds, in steady state (a bound for any microbatch count)."""
+        """The largest memory any rank holds: with the problem's microbatches, or enough of them to
+        reach the steady state, which more microbatches only repeat."""
         span = max(self.length, self.period)
         n = min(problem.num_microbatches, (math.ceil(span / self.period) + 2) * self.lanes)
         worst = 0.0
@@ -214,6 +215,7 @@ def _shuffled(ops: Sequence[BlockAction], rng: random.Random, spread: float, shi
 
 
 def _topological(ops: Sequence[BlockAction]) -> list[int]:
+    """The block's actions, each after what it waits for."""
     done: set[int] = set()
     out: list[int] = []
     pending = list(range(len(ops)))
@@ -232,10 +234,11 @@ def _topological(ops: Sequence[BlockAction]) -> list[int]:
 
 
 def _blocks(problem: Problem, fused: bool, lanes: int, deadline: float, rng: random.Random) -> list[Block]:
-    """Blocks whose memory fits: for each fixed placement order on a grid of periods from the
-    busiest rank's load upwards, until a longer period can no longer win (packing is not monotone
-    in the period, so every grid point is tried rather than a bisection); then random orders and
-    delays near the best periods found, until ``deadline``."""
+    """Blocks whose memory fits, on a grid of periods from the busiest rank's load upwards: for
+    each fixed placement order, the first grid point that fits (probing points 0, 1, 2, 4, ...),
+    then every point above the last refused one while a longer period can still win (packing is
+    not monotone in the period, so no bisection); then random orders and delays near the best
+    periods found, until ``deadline``."""
     ops = block_ops(problem, fused, lanes)
     load = [0.0] * problem.num_ranks
     for op in ops:
@@ -268,7 +271,8 @@ def _blocks(problem: Problem, fused: bool, lanes: int, deadline: float, rng: ran
         while block is None and k <= last and time.perf_counter() < deadline:
             block = attempt(sequence, shortest + step * k)
             if block is None:
-                refused, k = k, (min(2 * k, last) if k < last else last + 1) if k else 1
+                refused = k
+                k = 1 if k == 0 else last + 1 if k == last else min(2 * k, last)
         best = math.inf if block is None else block.makespan_bound(n)
         k = refused + 1
         while k <= last and rounds * (shortest + step * k) < best and time.perf_counter() < deadline:
