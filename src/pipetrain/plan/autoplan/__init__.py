@@ -1,10 +1,12 @@
 """Schedule construction for measured costs and a memory limit (behind ``auto_schedule``).
 
-Four parts, each small: :mod:`.problem` turns a layout and costs into integer tables with a fast
-makespan evaluation; :mod:`.periodic` repeats one microbatch's block of actions at the shortest
-period that fits (modulo scheduling); :mod:`.greedy` builds orders by memory-safe list scheduling
-under several priority rules; :mod:`.improve` polishes the best orders by local search. :func:`construct` runs
-them against a deadline, starting from any orders it is given (the named schedules that fit).
+Small parts: :mod:`.problem` turns a layout and costs into integer tables with a fast makespan
+evaluation; :mod:`.periodic` repeats a block of one or two microbatches' actions at the shortest
+period that fits (modulo scheduling), and :mod:`.cyclic` places such blocks exactly with CP-SAT;
+:mod:`.greedy` builds orders by memory-safe list scheduling under several priority rules;
+:mod:`.improve` polishes the best orders by local search, :mod:`.exact` by CP-SAT over windows.
+:func:`construct` runs them against a deadline, starting from any orders it is given (the named
+schedules that fit).
 """
 
 from __future__ import annotations
