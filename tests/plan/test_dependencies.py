@@ -17,20 +17,13 @@ from pipetrain.plan import Costs, Schedule, ScheduleError, build_schedule, sched
 from pipetrain.plan.actions import Action, ActionKind
 from pipetrain.plan.autoplan.problem import Problem
 from pipetrain.plan.dependencies import CODE, Dependencies
-from pipetrain.plan.generators import family
 from pipetrain.plan.passes._timing import unit_time_run
 from pipetrain.plan.passes.early_recv import post_receives_early
 from pipetrain.plan.validate import validate
+from support.schedules import build_or_none
+from support.schedules import mutate as mutate_schedule
 
 NAMES = [n for n in schedule_names() if n != "ForwardOnly"]
-
-
-def _build(name: str, ranks: int, microbatches: int) -> Schedule | None:
-    spr = family(name).stages_per_rank
-    try:
-        return build_schedule(name, ranks, microbatches, spr if spr else 2)
-    except ScheduleError:
-        return None  # a configuration this family does not support
 
 
 def _verdict(fn: object, *args: object, **kwargs: object) -> str | None:
@@ -39,27 +32,6 @@ def _verdict(fn: object, *args: object, **kwargs: object) -> str | None:
     except ScheduleError as err:
         return str(err)
     return None
-
-
-def _mutate(schedule: Schedule, data: st.DataObject) -> Schedule:
-    """The schedule with a few random edits of one kind: swaps, moves to the end, a deletion or a
-    duplicate, within ranks (so placement holds and only order and completeness break)."""
-    programs = {r: [a for a in schedule.actions[r] if a is not None] for r in range(schedule.num_ranks)}
-    for _ in range(data.draw(st.integers(1, 3), label="edits")):
-        r = data.draw(st.sampled_from([r for r, p in programs.items() if p]), label="rank")
-        program = programs[r]
-        i = data.draw(st.integers(0, len(program) - 1), label="i")
-        j = data.draw(st.integers(0, len(program) - 1), label="j")
-        edit = data.draw(st.sampled_from(["swap", "swap", "swap", "to_end", "delete", "duplicate"]), label="edit")
-        if edit == "swap":
-            program[i], program[j] = program[j], program[i]
-        elif edit == "to_end":
-            program.append(program.pop(i))
-        elif edit == "delete" and len(program) > 1:
-            del program[i]
-        elif edit == "duplicate":
-            program.insert(j, program[i])
-    return schedule._derived(dict(programs))  # type: ignore[arg-type]
 
 
 def _problem(schedule: Schedule, costs: Costs) -> Problem:
@@ -77,11 +49,11 @@ CONFIGS = st.tuples(st.sampled_from(NAMES), st.integers(2, 4), st.integers(1, 8)
 def test_compute_schedules_get_one_verdict(config: tuple[str, int, int], data: st.DataObject, mutate: bool) -> None:
     """validate, simulate, lower (its unit-time run) and the search's problem agree on whether a
     compute schedule runs; where it runs, they agree on its times."""
-    schedule = _build(*config)
+    schedule = build_or_none(*config)
     if schedule is None:
         return
     if mutate:
-        schedule = _mutate(schedule, data)
+        schedule = mutate_schedule(schedule, data)
     costs = Costs(f=1.0, i=1.5, w=0.5, b=2.0, comm=0.25)
 
     validated = _verdict(validate, schedule)
@@ -115,7 +87,7 @@ def test_lowered_schedules_agree_across_matching_models(
 ) -> None:
     """What runs under NCCL's strict matching runs under gloo's and in the simulation; early
     receives keep a schedule valid under gloo; lowering never makes a schedule faster."""
-    schedule = _build(*config)
+    schedule = build_or_none(*config)
     if schedule is None:
         return
     costs = Costs(f=1.0, i=1.0, w=1.0, b=2.0, comm=0.5)
@@ -125,7 +97,7 @@ def test_lowered_schedules_agree_across_matching_models(
         validate(early, matching="gloo")
         assert simulate(early, costs).makespan <= simulate(lowered, costs).makespan + 1e-9
     if mutate:
-        lowered = _mutate(lowered, data)
+        lowered = mutate_schedule(lowered, data)
     strict = _verdict(validate, lowered)
     loose = _verdict(validate, lowered, matching="gloo")
     simulated = _verdict(simulate, lowered, costs)
@@ -174,7 +146,7 @@ def test_early_receives_pass_gloo_but_not_always_nccl() -> None:
     found = False
     for name in ("1F1B", "Interleaved1F1B", "ZBVZeroBubble"):
         for ranks in (2, 3, 4):
-            schedule = _build(name, ranks, 2 * ranks)
+            schedule = build_or_none(name, ranks, 2 * ranks)
             assert schedule is not None
             early = post_receives_early(schedule.lower(), 4)
             validate(early, matching="gloo")

@@ -12,20 +12,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipetrain.plan import Schedule, ScheduleError, build_schedule, schedule_names
+from pipetrain.plan import Schedule, ScheduleError, schedule_names
 from pipetrain.plan.actions import Action
-from pipetrain.plan.generators import family
 from pipetrain.plan.validate import _accepts, _check
+from support.schedules import build_or_none
+from support.schedules import mutate as mutate_schedule
 
 NAMES = schedule_names()
-
-
-def _build(name: str, ranks: int, microbatches: int) -> Schedule | None:
-    spr = family(name).stages_per_rank
-    try:
-        return build_schedule(name, ranks, microbatches, spr if spr else 2)
-    except ScheduleError:
-        return None
 
 
 def _has_overlap(schedule: Schedule) -> bool:
@@ -62,34 +55,11 @@ def _variants(schedule: Schedule) -> list[Schedule]:
 @pytest.mark.parametrize("name", NAMES)
 def test_named_schedules_take_the_fast_path(name: str) -> None:
     for p, m in ((2, 3), (3, 5), (4, 8)):
-        schedule = _build(name, p, m)
+        schedule = build_or_none(name, p, m)
         if schedule is None:
             continue
         for variant in _variants(schedule):
             _agree(variant)
-
-
-def _mutate(schedule: Schedule, data: st.DataObject) -> Schedule:
-    """A few edits within ranks: swaps, moves, deletions, duplicates, idle steps (which split
-    communication groups)."""
-    programs = {r: list(schedule.actions[r]) for r in range(schedule.num_ranks)}
-    for _ in range(data.draw(st.integers(1, 3), label="edits")):
-        r = data.draw(st.sampled_from([r for r, p in programs.items() if p]), label="rank")
-        program = programs[r]
-        i = data.draw(st.integers(0, len(program) - 1), label="i")
-        j = data.draw(st.integers(0, len(program) - 1), label="j")
-        edit = data.draw(st.sampled_from(["swap", "swap", "to_end", "delete", "duplicate", "idle"]), label="edit")
-        if edit == "swap":
-            program[i], program[j] = program[j], program[i]
-        elif edit == "to_end":
-            program.append(program.pop(i))
-        elif edit == "delete" and len(program) > 1:
-            del program[i]
-        elif edit == "duplicate":
-            program.insert(j, program[i])
-        elif edit == "idle":
-            program.insert(j, None)
-    return schedule._derived(programs)
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -99,11 +69,11 @@ def _mutate(schedule: Schedule, data: st.DataObject) -> Schedule:
     data=st.data(),
 )
 def test_fast_path_agrees_on_edited_schedules(config: tuple[str, int, int], variant: int, data: st.DataObject) -> None:
-    schedule = _build(*config)
+    schedule = build_or_none(*config)
     if schedule is None:
         return
     variants = _variants(schedule)
-    _agree(_mutate(variants[variant % len(variants)], data))
+    _agree(mutate_schedule(variants[variant % len(variants)], data, idle=True))
 
 
 def test_malformed_cells_go_to_the_full_checks() -> None:
