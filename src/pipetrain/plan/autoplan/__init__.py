@@ -102,7 +102,7 @@ def periodic_seeds(problem: Problem, until: float, rng: random.Random, exact_blo
 
 def exact_periodic_fit(problem: Problem) -> bool:
     """Whether CP-SAT (imported) can place ``problem``'s periodic blocks."""
-    return exact.ready() and exact.solvable(problem) and 3 * problem.num_stages <= _EXACT_MAX_BLOCK
+    return exact.ready() and exact.solvable(problem, cyclic.SCALE) and 3 * problem.num_stages <= _EXACT_MAX_BLOCK
 
 
 def merge_backward(problem: Problem, orders: Orders) -> Orders:

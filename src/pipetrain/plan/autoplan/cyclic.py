@@ -24,9 +24,9 @@ from typing import Any
 from pipetrain.plan.autoplan.periodic import Block, BlockAction, block_ops
 from pipetrain.plan.autoplan.problem import KIND_B, KIND_F, KIND_W, Problem
 
-__all__ = ["exact_blocks"]
+__all__ = ["SCALE", "exact_blocks"]
 
-_SCALE = 10  # ticks per unit of time (the problem must be solvable at this scale)
+SCALE = 10  # ticks per unit of time (the problem must be solvable at this scale: exact.solvable)
 _WEIGHT_SCALE = 1000
 _SOLVE_SECONDS = 2.0  # CP-SAT's time for one period, at most
 _HORIZON = 1.5  # a block's length, at most, in lengths of the known block
@@ -61,7 +61,7 @@ def exact_blocks(problem: Problem, known: Block, deadline: float) -> list[Block]
         if start is None:
             return False
         hint = start
-        found.append(Block(period / _SCALE, tuple(ops), tuple(x / _SCALE for x in start), lanes))
+        found.append(Block(period / SCALE, tuple(ops), tuple(x / SCALE for x in start), lanes))
         return True
 
     # Down from the known period, each solve hinted with the block just found (nearly feasible,
@@ -79,7 +79,7 @@ def exact_blocks(problem: Problem, known: Block, deadline: float) -> list[Block]
 
 
 def _ticks(x: float) -> int:
-    return round(x * _SCALE)
+    return round(x * SCALE)
 
 
 def _solve(
