@@ -81,3 +81,30 @@ def test_malformed_cells_go_to_the_full_checks() -> None:
     assert not _accepts(bad, True)
     with pytest.raises(ScheduleError, match="expected an Action or None"):
         bad.validate()
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    config=st.tuples(st.sampled_from(["ZBVZeroBubble", "InterleavedZeroBubble", "ZBH1", "ZBH2"]), st.integers(2, 4)),
+    lowered=st.booleans(),
+    data=st.data(),
+)
+def test_a_moved_w_is_judged_as_the_full_checks_judge_it(
+    config: tuple[str, int], lowered: bool, data: st.DataObject
+) -> None:
+    """W parts stay out of the fast path's run (their one need, the I, is checked by the scan to
+    come first on the rank): moving a W anywhere on its rank must not change the verdict."""
+    name, p = config
+    schedule = build_or_none(name, p, 2 * p)
+    if schedule is None:
+        return
+    if lowered:
+        schedule = schedule.lower(fsdp=data.draw(st.booleans()), grad_reduce=True)
+    rows = {r: list(row) for r, row in schedule.actions.items()}
+    ws = [(r, k) for r, row in rows.items() for k, a in enumerate(row) if a is not None and a.kind.value == "W"]
+    if not ws:
+        return
+    r, k = data.draw(st.sampled_from(ws))
+    w = rows[r].pop(k)
+    rows[r].insert(data.draw(st.integers(0, len(rows[r]))), w)
+    _agree(schedule._derived(rows))

@@ -45,6 +45,8 @@ from pipetrain.plan.dependencies import (
     NUM_KEY_BLOCKS,
     RECEIVED,
     SENT,
+    W_DONE,
+    X_DONE,
     Dependencies,
     Ids,
 )
@@ -171,6 +173,11 @@ def _fast_run(schedule: Schedule, strict: bool) -> bool:
             row.append((2 * base, None if ends is None else ends[kind is RECV_F or kind is RECV_B], (dst - src) * M))
         routes.append(row)
     send_f, send_b, recv_f, recv_b = routes
+    # A W whose one need is its own I (scanned before it on this rank, which the scan checks) and
+    # whose product nothing waits for cannot block: it stays out of the run (a third of the parts).
+    w_waits = any(deps.need_keys[C_W][s] != (X_DONE * SM + s * M,) for s in range(S)) or any(
+        W_DONE * SM <= key < (W_DONE + 1) * SM for rows in deps.need_keys for keys in rows for key in keys
+    )
     node_step = [-1] * (3 * SM)
     x_kind = bytearray(SM)
     shard = bytearray(S)  # 0 before any UNSHARD, 1 unsharded, 2 resharded
@@ -206,10 +213,11 @@ def _fast_run(schedule: Schedule, strict: bool) -> bool:
                     append(sm)
                 elif kind is W:
                     node = 2 * SM + sm
-                    if node_step[node] >= 0 or x_kind[sm] != _X_I:  # (its I runs first: checked by the run)
+                    if node_step[node] >= 0 or x_kind[sm] != _X_I:  # (so its I comes first on this rank)
                         return False
                     node_step[node] = step
-                    append(node)
+                    if w_waits:
+                        append(node)
                 else:
                     if x_kind[sm]:
                         return False
