@@ -171,3 +171,21 @@ def test_windows_never_worsen_and_keep_the_limit() -> None:
     assert problem.complete(orders) and problem.fits(orders)
     assert makespan <= problem.makespan(seed) + 1e-9
     assert simulate(problem.to_schedule(orders), costs).makespan == pytest.approx(makespan)
+
+
+@pytest.mark.skipif(not exact.available(), reason="ortools (the solver extra) is not installed")
+def test_windows_solve_a_small_problem_whole_and_stop_when_it_is_proven() -> None:
+    """A problem of a few hundred actions is solved whole first: under tight memory (a limit of 4
+    with 16 microbatches and latency), from 1F1B, CP-SAT's proven optimum, and no time spent after."""
+    costs = Costs(f=1, i=1, w=1, comm=0.5)
+    named = build_schedule("1F1B", 4, 16)
+    problem = Problem.build(4, 16, [0, 1, 2, 3], costs, [1.0] * 4, 4.0, "loop")
+    assert exact.solved_whole_first(problem)
+    solved = exact.solve(problem, time_limit=30.0)
+    assert solved.optimal
+    started = time.perf_counter()
+    seed = exact.split_backward(problem, problem.orders_of(named))
+    orders, (makespan, _) = exact.improve_windows(problem, seed, started + 30.0, random.Random(0))
+    assert makespan == pytest.approx(solved.makespan)
+    assert time.perf_counter() - started < 20.0
+    assert problem.complete(orders) and problem.fits(orders)
