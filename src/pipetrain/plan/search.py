@@ -251,16 +251,10 @@ def plan_schedule(
     if several:
         # Best first; a polish that ends early (CP-SAT proved a small problem optimal) leaves the
         # rest of the time to the next layout.
-        # Problems small enough for CP-SAT to solve whole share the time evenly: the first look
-        # often ranks them wrongly (8 x 2 x 8, light W: V first at 65.0, the loop's optimum 63.7).
         found.sort(key=lambda item: item[0])
-        even = all(exact.solved_whole_first(problem) for _, problem, _ in found)
         polished: list[tuple[float, Problem, Orders]] = []
-        for index, (makespan, problem, orders) in enumerate(found):
-            until = deadline
-            if even:
-                until = time.perf_counter() + (deadline - time.perf_counter()) / (len(found) - index)
-            orders, makespan = polish(problem, orders, makespan, until, rng, blocks_first=best_named is None)
+        for makespan, problem, orders in found:
+            orders, makespan = polish(problem, orders, makespan, deadline, rng, blocks_first=best_named is None)
             polished.append((makespan, problem, orders))
         found = polished
     if found:
