@@ -36,7 +36,7 @@ _EPS = 1e-9
 _WINDOW_ACTIONS = 100  # a first window holds about this many actions; then it adapts
 _WINDOW_SECONDS = 0.4  # CP-SAT's time for one window, at most
 _WHOLE_FIRST_ACTIONS = 400  # up to this many actions, the whole problem is solved first ...
-_WHOLE_FIRST_SHARE = 0.5  # ... with this share of the time (then windows refine its answer)
+_WHOLE_FIRST_SHARE = 0.8  # ... with this share of the time (then windows refine its answer)
 
 
 def available() -> bool:
