@@ -229,7 +229,7 @@ def improve_windows(
     Actions that start before the window keep their start times, those after it keep their order
     on their rank (but may move in time), and CP-SAT reorders the window's actions freely, lowest
     makespan first, then the sum of the ranks' finishing times (a small problem is first solved
-    whole, for the makespan alone, with half the time). Returns orders never worse than
+    whole, for the makespan alone, with most of the time). Returns orders never worse than
     ``orders`` (a split backward only: I then W) and their score; ``orders`` must fit."""
     best = split_backward(problem, orders)
     best_score = problem.score(best)
