@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipetrain.plan import Schedule, ScheduleError, schedule_names
-from pipetrain.plan.actions import Action
+from pipetrain.plan.actions import Action, ActionKind
 from pipetrain.plan.validate import _accepts, _check
 from support.schedules import build_or_none
 from support.schedules import mutate as mutate_schedule
@@ -101,7 +101,7 @@ def test_a_moved_w_is_judged_as_the_full_checks_judge_it(
     if lowered:
         schedule = schedule.lower(fsdp=data.draw(st.booleans()), grad_reduce=True)
     rows = {r: list(row) for r, row in schedule.actions.items()}
-    ws = [(r, k) for r, row in rows.items() for k, a in enumerate(row) if a is not None and a.kind.value == "W"]
+    ws = [(r, k) for r, row in rows.items() for k, a in enumerate(row) if a is not None and a.kind is ActionKind.W]
     if not ws:
         return
     r, k = data.draw(st.sampled_from(ws))

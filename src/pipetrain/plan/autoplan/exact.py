@@ -276,8 +276,11 @@ def improve_windows(
                         model.add(built.end[previous] <= built.start[c])
                     previous = c
         solver = cp_model.CpSolver()
-        limit = deadline - time.perf_counter() - overrun
-        limit = (_WHOLE_FIRST_SHARE * limit if whole_first else limit) if whole else min(_WINDOW_SECONDS, limit)
+        limit = deadline - time.perf_counter() - overrun  # a whole problem solved last: all of it
+        if whole_first:
+            limit *= _WHOLE_FIRST_SHARE
+        elif not whole:
+            limit = min(_WINDOW_SECONDS, limit)
         solver.parameters.max_time_in_seconds = max(0.01, limit)
         solver.parameters.num_workers = 2 if whole else 1
         solver.parameters.random_seed = rng.randrange(1 << 30)
