@@ -137,34 +137,86 @@ def test_deadlocking_compute_schedule_cannot_be_lowered() -> None:
         s.lower()
 
 
+def _gathered(program: list[Action | None]) -> tuple[list[set[int]], int]:
+    """Per compute action, the stages gathered while it runs; and how many UNSHARDs the rank does."""
+    unsharded: set[int] = set()
+    during: list[set[int]] = []
+    gathers = 0
+    for a in program:
+        if a is None:
+            continue
+        if a.kind is K.UNSHARD:
+            assert a.stage not in unsharded
+            unsharded.add(a.stage)
+            gathers += 1
+        elif a.kind is K.RESHARD:
+            unsharded.remove(a.stage)
+        elif a.kind.is_compute:
+            during.append(set(unsharded))
+    assert unsharded == set(), f"the rank ends with {unsharded} unsharded"
+    return during, gathers
+
+
 @pytest.mark.parametrize("prefetch", [0, 1, 2, 5])
 @pytest.mark.parametrize(("label", "schedule"), CONFIGS, ids=IDS)
-def test_fsdp_window(label: str, schedule: Schedule, prefetch: int) -> None:
-    """At every compute action the unsharded stages are exactly those used in the next prefetch+1."""
-    out = add_fsdp(schedule, prefetch)
+def test_fsdp_one_stage_at_a_time_holds_exactly_the_window(label: str, schedule: Schedule, prefetch: int) -> None:
+    """max_unsharded=1: at every compute action the unsharded stages are exactly those used in the
+    next prefetch+1 (each stage freed as soon as its window ends)."""
+    out = add_fsdp(schedule, prefetch, max_unsharded=1)
     out.validate()
     for r in range(out.num_ranks):
-        program = out.actions[r]
-        uses = [{p.stage for p in a.parts} for a in compute_only(program)]
-        unsharded: set[int] = set()
-        k = 0
-        for a in program:
-            if a is None:
-                continue
-            if a.kind is K.UNSHARD:
-                unsharded.add(a.stage)
-            elif a.kind is K.RESHARD:
-                unsharded.remove(a.stage)
-            elif a.kind.is_compute:
+        uses = [{p.stage for p in a.parts} for a in compute_only(out.actions[r])]
+        during, _ = _gathered(out.actions[r])
+        for k, held in enumerate(during):
+            assert held == set().union(*uses[k : k + prefetch + 1]), (label, r, k)
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+@pytest.mark.parametrize(("label", "schedule"), CONFIGS, ids=IDS)
+def test_fsdp_keeps_stages_gathered_within_the_limit(label: str, schedule: Schedule, prefetch: int) -> None:
+    """Every stage is gathered over its window; no more than max_unsharded at once unless the
+    windows alone need more; a rank with room for all its stages gathers each once per step; and
+    more room never means more gathers."""
+    counts: dict[int | None, list[int]] = {}
+    for limit in (1, 2, 3, None):
+        out = add_fsdp(schedule, prefetch, max_unsharded=limit)
+        out.validate()
+        counts[limit] = []
+        for r in range(out.num_ranks):
+            uses = [{p.stage for p in a.parts} for a in compute_only(out.actions[r])]
+            during, gathers = _gathered(out.actions[r])
+            counts[limit].append(gathers)
+            for k, held in enumerate(during):
                 window = set().union(*uses[k : k + prefetch + 1])
-                assert unsharded == window, (label, r, k, a)
-                k += 1
-        assert unsharded == set(), f"rank {r} ends with {unsharded} unsharded"
+                assert window <= held, (label, limit, r, k)
+                assert len(held) <= max(limit or len(held), len(window)), (label, limit, r, k, held, window)
+            if limit is None or limit >= len(schedule.stages_of(r)):
+                assert gathers == len(schedule.stages_of(r)), (label, limit, r)
+    for fewer, more in itertools.pairwise((1, 2, 3, None)):
+        assert all(a >= b for a, b in zip(counts[fewer], counts[more], strict=True)), (label, fewer, more, counts)
+
+
+def test_fsdp_frees_the_stage_used_furthest_ahead() -> None:
+    """At the limit, the idle stage whose next use is furthest away makes room (Belady)."""
+    s = Schedule({0: [Action.parse(x) for x in "0F0 1F0 0F1 2F0 1F1 0F2 2F1 1F2 2F2".split()]}, name="three stages")
+    out = add_fsdp(s, prefetch=0, max_unsharded=2)
+    out.validate()
+    # At 2F0, stage 0 (next used at 0F2) makes room rather than stage 1 (next used at 1F1, sooner).
+    assert [str(a) for a in out.actions[0]] == (
+        "0UNSHARD 0F0 1UNSHARD 1F0 0F1 0RESHARD 2UNSHARD 2F0 1F1 1RESHARD 0UNSHARD 0F2 0RESHARD 2F1 "
+        "1UNSHARD 1F2 1RESHARD 2F2 2RESHARD"
+    ).split()
 
 
 def test_fsdp_prefetch_must_be_non_negative() -> None:
     with pytest.raises(ScheduleError, match="prefetch"):
         add_fsdp(build_schedule("GPipe", 1, 1), -1)
+
+
+@pytest.mark.parametrize("bad", [0, -2, True, 2.0])
+def test_fsdp_max_unsharded_must_be_a_positive_integer(bad: object) -> None:
+    with pytest.raises(ScheduleError, match=f"max_unsharded must be an integer >= 1 .* got {bad!r}"):
+        build_schedule("Interleaved1F1B", 2, 4).lower(fsdp=True, max_unsharded=bad)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -290,17 +342,19 @@ def test_one_sweep_lowering_equals_the_public_passes_in_a_row(name: str) -> None
             s = build_schedule(name, p, m, v)
         except ScheduleError:
             continue
-        for prefetch, grad, merge in itertools.product((0, 1, 2), (False, True), (False, True)):
-            fused = _outcome(lower, s, fsdp=True, prefetch=prefetch, grad_reduce=grad, merge_iw=merge)
-            chained = _outcome(_chain, s, prefetch, grad, merge)
-            assert fused == chained, (name, p, m, v, prefetch, grad, merge)
+        for prefetch, limit, grad, merge in itertools.product((0, 1, 2), (1, 2, None), (False, True), (False, True)):
+            fused = _outcome(
+                lower, s, fsdp=True, prefetch=prefetch, max_unsharded=limit, grad_reduce=grad, merge_iw=merge
+            )
+            chained = _outcome(_chain, s, prefetch, limit, grad, merge)
+            assert fused == chained, (name, p, m, v, prefetch, limit, grad, merge)
 
 
-def _chain(s: Schedule, prefetch: int, grad: bool, merge: bool) -> Schedule:
+def _chain(s: Schedule, prefetch: int, limit: int | None, grad: bool, merge: bool) -> Schedule:
     chained = merge_input_weight(s) if merge else s
     if grad:
         chained = add_grad_reduction(chained)
-    return add_communication(add_fsdp(chained, prefetch))
+    return add_communication(add_fsdp(chained, prefetch, limit))
 
 
 def _outcome(make: Callable[..., Schedule], *args: Any, **kwargs: Any) -> Schedule | str:

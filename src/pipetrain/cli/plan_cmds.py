@@ -64,6 +64,12 @@ def _add_lowering_arguments(parser: argparse.ArgumentParser) -> None:
         "--prefetch", type=int, default=None, help="with --fsdp: unshard this many compute actions ahead (default 1)"
     )
     parser.add_argument(
+        "--max-unsharded",
+        type=int,
+        default=None,
+        help="with --fsdp: at most this many stages gathered at once per rank (default 3, as torch)",
+    )
+    parser.add_argument(
         "--merge-iw", action="store_true", help="lowered, with each I directly followed by its W merged into B"
     )
 
@@ -75,6 +81,8 @@ def _load(args: argparse.Namespace) -> Schedule:
     args.lowered = args.lowered or bool(passes)
     if args.prefetch is not None and not args.fsdp:
         raise ScheduleError("--prefetch sets how far FSDP unshards ahead; it needs --fsdp")
+    if args.max_unsharded is not None and not args.fsdp:
+        raise ScheduleError("--max-unsharded sets how many stages FSDP keeps gathered; it needs --fsdp")
     if schedule.is_lowered and passes:
         # Its SEND/RECV (and any FSDP actions) are fixed already; silently ignoring the flags misleads.
         raise ScheduleError(
@@ -83,8 +91,12 @@ def _load(args: argparse.Namespace) -> Schedule:
         )
     if not args.lowered or schedule.is_lowered:
         return schedule
-    prefetch = 1 if args.prefetch is None else args.prefetch
-    return schedule.lower(grad_reduce=args.grad_reduce, fsdp=args.fsdp, prefetch=prefetch, merge_iw=args.merge_iw)
+    fsdp: dict[str, int] = {}
+    if args.prefetch is not None:
+        fsdp["prefetch"] = args.prefetch
+    if args.max_unsharded is not None:
+        fsdp["max_unsharded"] = args.max_unsharded
+    return schedule.lower(grad_reduce=args.grad_reduce, fsdp=args.fsdp, merge_iw=args.merge_iw, **fsdp)
 
 
 def _show(args: argparse.Namespace) -> int:

@@ -16,7 +16,7 @@ from pipetrain.plan.passes._insert import refuse_lowered
 from pipetrain.plan.passes.communication import add_communication
 from pipetrain.plan.passes.early_recv import post_receives_early
 from pipetrain.plan.passes.forward import forwards_only
-from pipetrain.plan.passes.fsdp import add_fsdp, check_prefetch, fsdp_pass
+from pipetrain.plan.passes.fsdp import DEFAULT_MAX_UNSHARDED, add_fsdp, check_fsdp_options, fsdp_pass
 from pipetrain.plan.passes.fused import lower_compute
 from pipetrain.plan.passes.grad import add_grad_reduction, grad_reduction_pass
 from pipetrain.plan.passes.merge import merge_input_weight
@@ -33,22 +33,24 @@ def lower(
     grad_reduce: bool = False,
     fsdp: bool = False,
     prefetch: int = 1,
+    max_unsharded: int | None = DEFAULT_MAX_UNSHARDED,
     merge_iw: bool = False,
     recv_ahead: int = 0,
 ) -> Schedule:
     """Validate ``schedule`` (compute-only) and return it lowered.
 
     ``comms``: SEND/RECV between stages on different ranks. ``grad_reduce``: REDUCE_GRAD after
-    each stage's last backward. ``fsdp``: UNSHARD ``prefetch`` compute actions ahead of use and
-    RESHARD after. ``merge_iw``: I directly followed by its W becomes one B. ``recv_ahead``: post
+    each stage's last backward. ``fsdp``: UNSHARD ``prefetch`` compute actions ahead of use,
+    at most ``max_unsharded`` stages gathered at once per rank (None: no limit), RESHARD after a
+    stage's last use or to make room (see :mod:`pipetrain.plan.passes.fsdp`). ``merge_iw``: I directly followed by its W becomes one B. ``recv_ahead``: post
     the receives from peers that send gradients up to that many groups early (gloo: matching per
     tag; see :mod:`pipetrain.plan.passes.early_recv`), so the early receives are in the schedule
     that validate and simulate see. Lowering an already lowered schedule raises :class:`ScheduleError`.
     """
     if fsdp:
-        check_prefetch(prefetch)
+        check_fsdp_options(prefetch, max_unsharded)
     with gc_paused():
-        out = _lower(schedule, comms, grad_reduce, fsdp, prefetch, merge_iw)
+        out = _lower(schedule, comms, grad_reduce, fsdp, (prefetch, max_unsharded), merge_iw)
     if recv_ahead:
         if not comms:
             raise ScheduleError("recv_ahead moves receives: it needs comms=True")
@@ -56,7 +58,10 @@ def lower(
     return out
 
 
-def _lower(schedule: Schedule, comms: bool, grad_reduce: bool, fsdp: bool, prefetch: int, merge_iw: bool) -> Schedule:
+def _lower(
+    schedule: Schedule, comms: bool, grad_reduce: bool, fsdp: bool, fsdp_options: tuple[int, int | None], merge_iw: bool
+) -> Schedule:
+    prefetch, max_unsharded = fsdp_options
     if comms:
         # The passes in one sweep, on the unit-time run that also checks the schedule (and asks
         # validate() for the message when it is broken): no separate validation pass.
@@ -66,7 +71,9 @@ def _lower(schedule: Schedule, comms: bool, grad_reduce: bool, fsdp: bool, prefe
                 refuse_lowered(schedule)
         out = merge_input_weight(schedule) if merge_iw else schedule
         try:
-            return lower_compute(out, grad_reduce=grad_reduce, fsdp=fsdp, prefetch=prefetch)
+            return lower_compute(
+                out, grad_reduce=grad_reduce, fsdp=fsdp, prefetch=prefetch, max_unsharded=max_unsharded
+            )
         except ScheduleError:
             if out is not schedule:
                 validate(schedule)  # name the deadlock in the schedule as given
@@ -80,7 +87,7 @@ def _lower(schedule: Schedule, comms: bool, grad_reduce: bool, fsdp: bool, prefe
     if grad_reduce:
         out = grad_reduction_pass(out)
     if fsdp:
-        out = fsdp_pass(out, prefetch)
+        out = fsdp_pass(out, prefetch, max_unsharded)
     if out is schedule:
         out = schedule._derived({r: list(schedule.actions[r]) for r in range(schedule.num_ranks)})
     return out

@@ -125,7 +125,7 @@ class Prepared:
 
     def forwards(self, lower_options: dict[str, Any]) -> Prepared:
         """The forward-only schedule of the same order, for ``eval`` (FSDP gathers kept, no reduction)."""
-        options = {k: v for k, v in lower_options.items() if k in ("fsdp", "prefetch")}
+        options = {k: v for k, v in lower_options.items() if k in ("fsdp", "prefetch", "max_unsharded")}
         return Prepared(prepare_schedule(forwards_only(self.base), **options), self.recv_ahead)
 
 

@@ -21,7 +21,9 @@ from pipetrain.plan.passes.grad import FORWARD_ONLY, reduce_slots, stage_counts
 from pipetrain.plan.schedule import Schedule
 
 
-def lower_compute(schedule: Schedule, *, grad_reduce: bool, fsdp: bool, prefetch: int) -> Schedule:
+def lower_compute(
+    schedule: Schedule, *, grad_reduce: bool, fsdp: bool, prefetch: int, max_unsharded: int | None
+) -> Schedule:
     """``schedule`` (compute-only) with SEND/RECV, and REDUCE_GRAD / FSDP actions if asked.
 
     Raises :class:`ScheduleError` if the schedule is not valid (the unit-time run checks it and
@@ -53,7 +55,7 @@ def lower_compute(schedule: Schedule, *, grad_reduce: bool, fsdp: bool, prefetch
             continue
         n = len(computes)
         none: Slots = [None] * n
-        before, after = fsdp_slots(computes, prefetch, unshard, reshard) if fsdp else (none, list(none))
+        before, after = fsdp_slots(computes, prefetch, max_unsharded, unshard, reshard) if fsdp else (none, list(none))
         if grad_reduce:
             # REDUCE_GRAD comes before the RESHARDs after the same action.
             for k, reduce in enumerate(reduce_slots(computes, counts[r])):
