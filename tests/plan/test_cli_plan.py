@@ -32,6 +32,10 @@ def test_show_lowered_and_passes(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0 and "(lowered)" in out and "SEND_F" in out and "UNSHARD" not in out
     code, out, _ = run(capsys, "show", "ZBH1", "-p", "2", "-m", "4", "--fsdp", "--grad-reduce", "--prefetch", "0")
     assert code == 0 and "UNSHARD" in out and "REDUCE_GRAD" in out and "RECV_B" in out
+    # ZB-V alternates a rank's two stages: one gather per stage by default, many at one stage at a time.
+    _, default, _ = run(capsys, "show", "ZBVZeroBubble", "-p", "2", "-m", "4", "--fsdp")
+    _, tight, _ = run(capsys, "show", "ZBVZeroBubble", "-p", "2", "-m", "4", "--fsdp", "--max-unsharded", "1")
+    assert default.count("UNSHARD") == 4 < tight.count("UNSHARD")
 
 
 def test_export_csv_and_json_round_trip(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -184,6 +188,7 @@ def test_a_closed_pipe_is_not_an_error() -> None:
         (["plan", "-p", "2", "-m", "4", "--csv", "{d}/x.json"], "--csv {d}/x.json: the name ends in .json"),
         (["simulate", "1F1B", "-p", "2", "-m", "2", "--trace", "{d}/t.png"], "--trace {d}/t.png: the name ends in .png but --trace writes JSON"),
         (["show", "ZBVZeroBubble", "-p", "4", "-m", "8", "--prefetch", "2"], "--prefetch sets how far FSDP unshards ahead; it needs --fsdp"),
+        (["show", "ZBVZeroBubble", "-p", "4", "-m", "8", "--max-unsharded", "1"], "--max-unsharded sets how many stages FSDP keeps gathered; it needs --fsdp"),
     ],
 )  # fmt: skip
 def test_output_names_and_flags_that_would_be_ignored_are_refused(
