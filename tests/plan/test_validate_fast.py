@@ -8,8 +8,10 @@ generator's schedules, compute-only and lowered, and on random edits of them.
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from pipetrain.plan import Schedule, ScheduleError, schedule_names
@@ -19,6 +21,8 @@ from support.schedules import build_or_none
 from support.schedules import mutate as mutate_schedule
 
 NAMES = schedule_names()
+# (the module: pipetrain.plan.validate is also the name of the function)
+validate_module = importlib.import_module("pipetrain.plan.validate")
 
 
 def _has_overlap(schedule: Schedule) -> bool:
@@ -108,3 +112,73 @@ def test_a_moved_w_is_judged_as_the_full_checks_judge_it(
     w = rows[r].pop(k)
     rows[r].insert(data.draw(st.integers(0, len(rows[r]))), w)
     _agree(schedule._derived(rows))
+
+
+def _proof_verdicts(schedule: Schedule) -> tuple[list[bool], bool]:
+    """What the unit-time proof said (empty: not tried) and whether the messages were run, under
+    the strict model."""
+    said: list[bool] = []
+    ran: list[bool] = []
+    proof, execute = validate_module._timed_proof, validate_module._fast_execute
+
+    def spy_proof(*args: object) -> bool:
+        said.append(proof(*args))  # type: ignore[arg-type]
+        return said[-1]
+
+    def spy_execute(*args: object) -> bool:
+        ran.append(True)
+        return execute(*args)  # type: ignore[arg-type]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(validate_module, "_timed_proof", spy_proof)
+        patch.setattr(validate_module, "_fast_execute", spy_execute)
+        _accepts(schedule, True)
+    return said, bool(ran)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_lowered_schedules_are_proven_without_running_their_messages(name: str) -> None:
+    """lower() places messages as the unit-time proof needs: it proves every one, with no run of the messages."""
+    for p, m in ((2, 3), (3, 5), (4, 8)):
+        schedule = build_or_none(name, p, m)
+        if schedule is None or _has_overlap(schedule):
+            continue
+        backward = schedule.has_backward
+        for low in (schedule.lower(), schedule.lower(fsdp=True, grad_reduce=backward, max_unsharded=1)):
+            if not low.is_lowered or not any(a.kind.value.startswith("SEND") for a in low.iter_actions() if a):
+                continue
+            assert _proof_verdicts(low) == ([True], False), (name, p, m)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    config=st.tuples(st.sampled_from(NAMES), st.integers(2, 4), st.integers(1, 6)),
+    data=st.data(),
+)
+def test_the_proof_only_accepts_what_the_run_of_the_messages_accepts(
+    config: tuple[str, int, int], data: st.DataObject
+) -> None:
+    """Edits that reorder a lowered schedule's SEND/RECV: whatever the unit-time proof accepts,
+    the full strict checks accept too."""
+    schedule = build_or_none(*config)
+    if schedule is None or _has_overlap(schedule):
+        return
+    low = schedule.lower()
+    programs = {r: list(low.actions[r]) for r in range(low.num_ranks)}
+    for _ in range(data.draw(st.integers(1, 3), label="swaps")):
+        r = data.draw(st.sampled_from(sorted(programs)), label="rank")
+        # A SEND swapped with a nearby RECV keeps each direction's FIFO order, so the scan passes
+        # and the order between the directions, which may deadlock, is what is judged.
+        sends = [i for i, a in enumerate(programs[r]) if a is not None and a.kind.value.startswith("SEND")]
+        recvs = [i for i, a in enumerate(programs[r]) if a is not None and a.kind.value.startswith("RECV")]
+        if not sends or not recvs:
+            continue
+        i = data.draw(st.sampled_from(sends), label="send")
+        near = sorted(recvs, key=lambda j: abs(j - i))[:3]  # (far moves mostly cross a producer or user)
+        j = data.draw(st.sampled_from(near), label="recv")
+        programs[r][i], programs[r][j] = programs[r][j], programs[r][i]
+    edited = low._derived(programs)
+    said, _ = _proof_verdicts(edited)
+    event(f"proof: {said}")
+    if said == [True]:
+        assert _full_verdict(edited, True), "the proof accepted a schedule the full checks reject"

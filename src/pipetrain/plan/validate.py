@@ -9,9 +9,11 @@ completed under the NCCL group model), and ranks left waiting are reported with 
 for. All checks are linear in the number of actions.
 
 A sound schedule, the common case, is accepted by a fast path (:func:`_accepts`: one scan that
-also matches and groups the SEND/RECV, then one run, keeping nothing for messages); whatever it
-cannot prove sound goes through the full checks (:func:`_check`), which find the broken rule and
-word it. The fast path only ever accepts, so verdicts and messages are the full checks'.
+also matches and groups the SEND/RECV, then one run, keeping nothing for messages; under the
+strict model a lowered schedule whose messages sit where a unit-time run of its compute says they
+can is proven by that run alone, :func:`_timed_proof`); whatever it cannot prove sound goes
+through the full checks (:func:`_check`), which find the broken rule and word it. The fast path
+only ever accepts, so verdicts and messages are the full checks'.
 """
 
 # ruff: noqa: N803, N806 - S, M, SM, R: stages, microbatches, their product, ranks (the papers' notation)
@@ -178,6 +180,9 @@ def _fast_run(schedule: Schedule, strict: bool) -> bool:
     w_waits = any(deps.need_keys[C_W][s] != (X_DONE * SM + s * M,) for s in range(S)) or any(
         W_DONE * SM <= key < (W_DONE + 1) * SM for rows in deps.need_keys for keys in rows for key in keys
     )
+    # A lowered schedule (more actions than compute parts) checked under the strict model may be
+    # proven by its unit-time run (see _timed_proof), whose times count the W like any part.
+    keep_w = w_waits or (strict and sum(map(len, schedule.actions.values())) > 3 * SM)
     node_step = [-1] * (3 * SM)
     x_kind = bytearray(SM)
     shard = bytearray(S)  # 0 before any UNSHARD, 1 unsharded, 2 resharded
@@ -216,7 +221,7 @@ def _fast_run(schedule: Schedule, strict: bool) -> bool:
                     if node_step[node] >= 0 or x_kind[sm] != _X_I:  # (so its I comes first on this rank)
                         return False
                     node_step[node] = step
-                    if w_waits:
+                    if keep_w:
                         append(node)
                 else:
                     if x_kind[sm]:
@@ -303,9 +308,92 @@ def _fast_run(schedule: Schedule, strict: bool) -> bool:
                         return False
         if any(sent != got for sent, got in pairs.values()):
             return False
+    if (
+        lowered
+        and strict
+        and (keep_w or _X_I not in x_kind)  # (the proof's times count every W)
+        and _timed_proof(programs, *deps.flat_needs((C_F, C_I, C_W)), gops, g_first, g_rank)
+    ):
+        return True
     received = RECEIVED * SM if lowered else 0
     need1, need2 = deps.flat_needs((C_F, C_I, C_W), cross_offset=received)  # (see _node_needs)
     return _fast_execute(programs, need1, need2, received, strict, gops, g_first, g_rank, op_group)
+
+
+def _timed_proof(
+    programs: list[list[int]],
+    need1: list[int],
+    need2: list[int],
+    gops: list[int],
+    g_first: list[int],
+    g_rank: list[int],
+) -> bool:
+    """True if the SEND/RECV sit where a unit-time run of the compute proves no deadlock (strict model).
+
+    Run the compute parts in unit time, a crossing input counting as there when its producer ends
+    (``need1``/``need2``: unlowered rules), and give each message the time T its producer ends.
+    If on every rank (i) the messages' times never decrease, (ii) those of equal time are in one
+    group, and (iii) every compute part before a group started before each of its times, then by
+    induction on T every group holding a time-T message starts once the messages before T have
+    completed, so every message completes and every rank runs to its end. (The scan has checked
+    the rest: each message sent once after its producer, received once before its user, FIFO
+    order.) This is how ``lower`` places messages (:mod:`~pipetrain.plan.passes.communication`),
+    so its output is proven here with one run of the compute and no run of the messages; False
+    means "not proven" and the full run of the messages decides.
+    """
+    R = len(programs)
+    end = [-1] * len(need1) + [0]  # end[-1]: a need of -1 (none) has always ended
+    waiter = [-1] * len(end)
+    bound = [0] * len(g_rank)  # per group, when the compute before it ends: its times must not be earlier
+    pc = [0] * R
+    free = [0] * R
+    queue = list(range(R))
+    while queue:
+        r = queue.pop()
+        program = programs[r]
+        n = len(program)
+        i = pc[r]
+        t = free[r]
+        while i < n:
+            x = program[i]
+            if x < 0:
+                bound[-x - 1] = t
+                i += 1
+                continue
+            k = need1[x]
+            e = end[k]
+            if e < 0:
+                waiter[k] = r
+                break
+            if e > t:
+                t = e
+            k = need2[x]
+            e = end[k]
+            if e < 0:
+                waiter[k] = r
+                break
+            if e > t:
+                t = e
+            t += 1
+            end[x] = t
+            if waiter[x] >= 0:
+                queue.append(waiter[x])
+            i += 1
+        pc[r] = i
+        free[r] = t
+    if any(pc[r] != len(programs[r]) for r in range(R)):
+        return False  # (a rank waits: the full run finds out why)
+    last_rank, last_time, last_group = -1, -1, -1
+    for g, r in enumerate(g_rank):
+        if r != last_rank:
+            last_rank, last_time = r, -1
+        low = bound[g]
+        for k in range(g_first[g], g_first[g + 1]):
+            time = end[gops[k] >> 1]  # (an op's message is named by its producer's node)
+            if time < low or time < last_time or (time == last_time and g != last_group):
+                return False
+            last_time, last_group = time, g
+    return True
 
 
 def _fast_execute(
