@@ -48,7 +48,7 @@ __all__ = [
 F_DONE, X_DONE, W_DONE, SENT, RECEIVED = 0, 1, 2, 3, 5
 NUM_KEY_BLOCKS = 7  # F, X, W; SENT (2 blocks: F and X nodes); RECEIVED (2 blocks)
 
-# Kind codes, looked up by the enum's value (hashing an Enum member runs Python code).
+# Kind codes by kind (an ActionKind is a str: the member and its value look up alike, hashed in C).
 C_F, C_B, C_I, C_W, C_OVERLAP, C_SEND_F, C_SEND_B, C_RECV_F, C_RECV_B, C_UNSHARD, C_RESHARD, C_REDUCE = range(12)
 CODE: dict[str, int] = {
     "F": C_F,
@@ -74,7 +74,7 @@ Need = tuple[int, bool]
 
 
 def kind_code(kind: ActionKind) -> int:
-    return CODE[kind._value_]
+    return CODE[kind]
 
 
 class Dependencies:
@@ -141,8 +141,8 @@ class Dependencies:
         # route() as templates per SEND/RECV kind and stage: (node base, source, destination).
         self.routes: dict[str, list[tuple[int, int, int]]] = {}
         for b, (send, recv) in enumerate(carriers):
-            self.routes[send._value_] = [(b * SM + s * M, s, self.feeds[b][s]) for s in range(S)]
-            self.routes[recv._value_] = [(b * SM + self.fed_by[b][s] * M, self.fed_by[b][s], s) for s in range(S)]
+            self.routes[send] = [(b * SM + s * M, s, self.feeds[b][s]) for s in range(S)]
+            self.routes[recv] = [(b * SM + self.fed_by[b][s] * M, self.fed_by[b][s], s) for s in range(S)]
 
     def _rows(self, s: int, lowered: bool) -> list[tuple[tuple[Need, ...], tuple[int, ...]]]:
         """What each kind of action on stage ``s`` needs and makes (DESIGN.md §2), by kind code."""
@@ -179,12 +179,12 @@ class Dependencies:
         """The keys a compute part waits for."""
         m = part.microbatch
         assert m is not None
-        return [base + m for base, _ in self.needs[CODE[part.kind._value_]][part.stage]]
+        return [base + m for base, _ in self.needs[CODE[part.kind]][part.stage]]
 
     def part_makes(self, part: Action) -> list[int]:
         m = part.microbatch
         assert m is not None
-        return [base + m for base in self.makes[CODE[part.kind._value_]][part.stage]]
+        return [base + m for base in self.makes[CODE[part.kind]][part.stage]]
 
     def flat(
         self, codes: Sequence[int], *, cross_offset: int = 0
@@ -228,7 +228,7 @@ class Dependencies:
     def route(self, action: Action) -> tuple[int, int, int]:
         """(producer node, producing stage, consuming stage) of the message a SEND or RECV carries;
         a stage is -1 at the pipeline's ends (a first stage receives no forward input)."""
-        node, src, dst = self.routes[action.kind._value_][action.stage]
+        node, src, dst = self.routes[action.kind][action.stage]
         return node + action.microbatch, src, dst  # type: ignore[operator]
 
     def carried(self, action: Action) -> int:

@@ -269,7 +269,7 @@ def _simulate(schedule: Schedule, costs: Costs | None) -> SimResult:
                 continue
             subs = a.sub_actions
             for part in (a,) if subs is None else subs:
-                code = codes[part.kind._value_]
+                code = codes[part.kind]
                 if code == C_W:
                     has_w[part.stage * n_mb + (part.microbatch or 0)] = True
                     any_backward = True
@@ -324,7 +324,7 @@ def _simulate(schedule: Schedule, costs: Costs | None) -> SimResult:
         pred0 = last_event[r]
         while k < n:
             a = program[k]
-            code = CODE[a.kind._value_]
+            code = CODE[a.kind]
             s = a.stage
             m = a.microbatch
             if code < C_OVERLAP or C_OVERLAP < code <= C_RECV_B:

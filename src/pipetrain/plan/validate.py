@@ -169,7 +169,7 @@ def _fast_run(schedule: Schedule, strict: bool) -> bool:
     routes = []
     for kind in (SEND_F, SEND_B, RECV_F, RECV_B):
         row: list[tuple[int, list[int] | None, int]] = []
-        for base, src, dst in deps.routes[kind._value_]:
+        for base, src, dst in deps.routes[kind]:
             a, b = (rank_of[src], rank_of[dst]) if src >= 0 and dst >= 0 else (-1, -1)
             ends = None if a < 0 or b < 0 or a == b else pairs.setdefault(a * R + b, ([], []))
             row.append((2 * base, None if ends is None else ends[kind is RECV_F or kind is RECV_B], (dst - src) * M))
@@ -760,7 +760,7 @@ class _CommPlan:
         for op, (rank, step, action) in enumerate(zip(self.op_rank, self.op_step, self.op_action, strict=True)):
             # msg: the producer's F or X node id, which is also the message id.
             kind = action.kind
-            msg, src, dst = routes[kind._value_][action.stage]
+            msg, src, dst = routes[kind][action.stage]
             msg += action.microbatch  # type: ignore[operator]
             is_send = kind is SEND_F or kind is SEND_B
             if dst < 0 or src < 0 or (msg >= SM and not has_backward):  # (the core's routes stay in range)

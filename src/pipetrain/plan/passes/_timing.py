@@ -91,7 +91,7 @@ def unit_time_run(schedule: Schedule) -> UnitRun:
             while i < n:
                 a = program[i]
                 s, kind, m, _ = a
-                code = codes[kind._value_]
+                code = codes[kind]
                 if code < C_OVERLAP:  # a plain compute part: the common case, inline
                     need1, need2, node, sends = rules[code][s]
                     e1 = end[need1 + m]  # type: ignore[operator]
@@ -136,7 +136,7 @@ def unit_time_run(schedule: Schedule) -> UnitRun:
                 row.append(t0)
                 t1 = t0 + 1
                 for p in parts:
-                    pcode = codes[p.kind._value_]
+                    pcode = codes[p.kind]
                     s, m = p.stage, p.microbatch
                     if rank_of[s] != r or m >= M:  # type: ignore[operator]
                         raise _BreachError

@@ -85,7 +85,7 @@ def place_messages(schedule: Schedule, run: UnitRun) -> tuple[list[list[int]], l
             s = part.stage
             m = part.microbatch
             r = rank_of[s]
-            send_kind, recv_kind, to = outgoing[codes[part.kind._value_]][s]  # type: ignore[misc]
+            send_kind, recv_kind, to = outgoing[codes[part.kind]][s]  # type: ignore[misc]
             d = rank_of[to]
             send = new(Action, (s, send_kind, m, None))
             recv = new(Action, (to, recv_kind, m, None))
