@@ -4,13 +4,13 @@ Each rank walks its compute actions. A stage is gathered from ``prefetch`` compu
 each use through that use (its *window*), and freed right after its last use of the step. Between
 two uses it stays gathered while the rank has room: at most ``max_unsharded`` stages at once
 (torch's ``max_active_stages``, 3 by default there and here). When a gather would exceed that,
-the idle stage (not in its window) used furthest in the future is freed, right after its last use
-(Belady's rule: the fewest gathers for the memory). Stages that need to be gathered together
-(windows overlapping) always are, even beyond the limit. With ``max_unsharded=1`` a stage is
-freed as soon as its window ends, so at every compute action exactly the stages used in the next
-``prefetch + 1`` are gathered; with at least as many as the rank holds, each stage is gathered
-once per step. Linear in the number of actions (torch 2.13's pass rescans the rest of the list
-per action: quadratic).
+the idle stage (not in its window) used furthest in the future is freed, right after its last
+use (Belady's rule, optimal for a plain cache; a heuristic here, where windows overlap). Stages
+whose windows overlap are gathered together even beyond the limit. With ``max_unsharded=1`` a
+stage is freed as soon as its window ends, so at every compute action exactly the stages used in
+the next ``prefetch + 1`` are gathered; with at least as many as the rank holds, each stage is
+gathered once per step. Linear in the number of actions for a given limit (torch 2.13's pass
+rescans the rest of the list per action: quadratic).
 """
 
 from __future__ import annotations
