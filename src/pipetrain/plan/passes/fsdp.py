@@ -82,19 +82,30 @@ def fsdp_slots(
     n = len(computes)
     before: Slots = [None] * n
     after: Slots = [None] * n
+    if not n:
+        return before, after
+    stages, _, _, subs = zip(*computes, strict=True)  # (columns, in C: this runs once per rank)
+    if subs.count(None) == n:  # no OVERLAP_F_B: one stage per action
+        first = {s: stages.index(s) for s in set(stages)}
+        if max_unsharded is None or len(first) <= max_unsharded:
+            # Room for every stage: gathered once, ``prefetch`` actions before its first use,
+            # freed after its last.
+            backwards = stages[::-1]
+            for s in sorted(first, key=first.__getitem__):
+                _add(before, max(0, first[s] - prefetch), unshard[s])
+                _add(after, n - 1 - backwards.index(s), reshard[s])
+            return before, after
     # Each stage's uses, in order (an OVERLAP_F_B uses the stages of its parts).
     uses: dict[int, list[int]] = {}
     for k, action in enumerate(computes):
-        subs = action.sub_actions
-        for s in dict.fromkeys(p.stage for p in subs) if subs is not None else (action.stage,):
+        parts = action.sub_actions
+        for s in dict.fromkeys(p.stage for p in parts) if parts is not None else (action.stage,):
             row = uses.get(s)
             if row is None:
                 uses[s] = [k]
             else:
                 row.append(k)
-    if max_unsharded is None or len(uses) <= max_unsharded:
-        # Room for every stage: gathered once, ``prefetch`` actions before its first use, freed
-        # after its last.
+    if max_unsharded is None or len(uses) <= max_unsharded:  # (as above)
         for s, row in uses.items():
             _add(before, max(0, row[0] - prefetch), unshard[s])
             _add(after, row[-1], reshard[s])
@@ -136,8 +147,8 @@ def _bounded(
     for k, action in enumerate(computes):
         t = max(0, k - prefetch)  # the slot where a gather for this use goes
         free_idle(t, limit)
-        subs = action.sub_actions
-        for s in dict.fromkeys(p.stage for p in subs) if subs is not None else (action.stage,):
+        parts = action.sub_actions
+        for s in dict.fromkeys(p.stage for p in parts) if parts is not None else (action.stage,):
             if s not in held:
                 free_idle(t, limit - 1)
                 _add(before, t, unshard[s])
