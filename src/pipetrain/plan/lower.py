@@ -40,17 +40,18 @@ def lower(
     """Validate ``schedule`` (compute-only) and return it lowered.
 
     ``comms``: SEND/RECV between stages on different ranks. ``grad_reduce``: REDUCE_GRAD after
-    each stage's last backward. ``fsdp``: UNSHARD ``prefetch`` compute actions ahead of use,
-    at most ``max_unsharded`` stages gathered at once per rank (None: no limit), RESHARD after a
-    stage's last use or to make room (see :mod:`pipetrain.plan.passes.fsdp`). ``merge_iw``: I directly followed by its W becomes one B. ``recv_ahead``: post
-    the receives from peers that send gradients up to that many groups early (gloo: matching per
-    tag; see :mod:`pipetrain.plan.passes.early_recv`), so the early receives are in the schedule
-    that validate and simulate see. Lowering an already lowered schedule raises :class:`ScheduleError`.
+    each stage's last backward. ``fsdp``: UNSHARD ``prefetch`` compute actions ahead of use, at
+    most ``max_unsharded`` stages gathered at once per rank (None: no limit), RESHARD after a
+    stage's last use or to make room (see :mod:`pipetrain.plan.passes.fsdp`). ``merge_iw``: I
+    directly followed by its W becomes one B. ``recv_ahead``: post the receives from peers that
+    send gradients up to that many groups early (gloo: matching per tag; see
+    :mod:`pipetrain.plan.passes.early_recv`), so the early receives are in the schedule that
+    validate and simulate see. Lowering an already lowered schedule raises :class:`ScheduleError`.
     """
     if fsdp:
         check_fsdp_options(prefetch, max_unsharded)
     with gc_paused():
-        out = _lower(schedule, comms, grad_reduce, fsdp, (prefetch, max_unsharded), merge_iw)
+        out = _lower(schedule, comms, grad_reduce, fsdp, prefetch, max_unsharded, merge_iw)
     if recv_ahead:
         if not comms:
             raise ScheduleError("recv_ahead moves receives: it needs comms=True")
@@ -59,9 +60,14 @@ def lower(
 
 
 def _lower(
-    schedule: Schedule, comms: bool, grad_reduce: bool, fsdp: bool, fsdp_options: tuple[int, int | None], merge_iw: bool
+    schedule: Schedule,
+    comms: bool,
+    grad_reduce: bool,
+    fsdp: bool,
+    prefetch: int,
+    max_unsharded: int | None,
+    merge_iw: bool,
 ) -> Schedule:
-    prefetch, max_unsharded = fsdp_options
     if comms:
         # The passes in one sweep, on the unit-time run that also checks the schedule (and asks
         # validate() for the message when it is broken): no separate validation pass.
