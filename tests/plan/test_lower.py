@@ -138,8 +138,10 @@ def test_deadlocking_compute_schedule_cannot_be_lowered() -> None:
 
 
 def _gathered(program: list[Action | None]) -> tuple[list[set[int]], int]:
-    """Per compute action, the stages gathered while it runs; and how many UNSHARDs the rank does."""
+    """Per compute action, the stages gathered while it runs; and how many UNSHARDs the rank does.
+    Fails on a stage freed and gathered again with no compute between (a wasted all-gather)."""
     unsharded: set[int] = set()
+    freed: set[int] = set()  # since the last compute action
     during: list[set[int]] = []
     gathers = 0
     for a in program:
@@ -147,12 +149,15 @@ def _gathered(program: list[Action | None]) -> tuple[list[set[int]], int]:
             continue
         if a.kind is K.UNSHARD:
             assert a.stage not in unsharded
+            assert a.stage not in freed, f"stage {a.stage} is freed and gathered again before any compute"
             unsharded.add(a.stage)
             gathers += 1
         elif a.kind is K.RESHARD:
             unsharded.remove(a.stage)
+            freed.add(a.stage)
         elif a.kind.is_compute:
             during.append(set(unsharded))
+            freed.clear()
     assert unsharded == set(), f"the rank ends with {unsharded} unsharded"
     return during, gathers
 
@@ -194,6 +199,14 @@ def test_fsdp_keeps_stages_gathered_within_the_limit(label: str, schedule: Sched
                 assert gathers == len(schedule.stages_of(r)), (label, limit, r)
     for fewer, more in itertools.pairwise((1, 2, 3, None)):
         assert all(a >= b for a, b in zip(counts[fewer], counts[more], strict=True)), (label, fewer, more, counts)
+
+
+def test_fsdp_keeps_a_stage_whose_next_use_is_now() -> None:
+    """A stage used by the compute action whose gathers are being placed is not idle: freeing it
+    there would gather it straight back (two wasted all-gathers per use at one stage at a time)."""
+    s = Schedule({0: [Action.parse(x) for x in "0F0 1F0 0F1 1F1".split()]}, name="two stages")
+    out = add_fsdp(s, prefetch=1, max_unsharded=1)
+    assert [str(a) for a in out.actions[0]] == "0UNSHARD 1UNSHARD 0F0 1F0 0F1 0RESHARD 1F1 1RESHARD".split()
 
 
 def test_fsdp_frees_the_stage_used_furthest_ahead() -> None:

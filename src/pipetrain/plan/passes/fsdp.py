@@ -125,8 +125,10 @@ def _bounded(
     reshard: list[Action],
 ) -> None:
     """:func:`fsdp_slots` when the rank holds more stages than ``limit``: the walk of the module
-    docstring. ``held`` maps each gathered stage to its latest use so far; one whose latest use
-    came before slot ``t`` is idle there, and freeing it means a RESHARD right after that use."""
+    docstring. ``held`` maps each gathered stage to its latest use so far. At compute action ``k``,
+    whose gathers go in slot ``t``, a held stage is idle if its latest use came before ``t`` and its
+    next use comes after ``k`` (a use at ``k`` has its window open at ``t``: freeing the stage would
+    gather it straight back); freeing it means a RESHARD right after its latest use."""
     held: dict[int, int] = {}
     seen = dict.fromkeys(uses, 0)  # per stage, how many of its uses have been walked
     never = len(computes)
@@ -135,10 +137,10 @@ def _bounded(
         row = uses[s]
         return row[seen[s]] if seen[s] < len(row) else never
 
-    def free_idle(t: int, room: int) -> None:
+    def free_idle(t: int, k: int, room: int) -> None:
         """Free idle stages, furthest next use first (done ones first), until at most ``room`` are held."""
         while len(held) > room:
-            idle = [s for s, last in held.items() if last < t]
+            idle = [s for s, last in held.items() if last < t and next_use(s) > k]
             if not idle:
                 return
             s = max(idle, key=next_use)
@@ -146,11 +148,11 @@ def _bounded(
 
     for k, action in enumerate(computes):
         t = max(0, k - prefetch)  # the slot where a gather for this use goes
-        free_idle(t, limit)
+        free_idle(t, k, limit)
         parts = action.sub_actions
         for s in dict.fromkeys(p.stage for p in parts) if parts is not None else (action.stage,):
             if s not in held:
-                free_idle(t, limit - 1)
+                free_idle(t, k, limit - 1)
                 _add(before, t, unshard[s])
             held[s] = k
             seen[s] += 1
