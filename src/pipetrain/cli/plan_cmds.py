@@ -67,10 +67,7 @@ def _add_lowering_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-unsharded",
         type=int,
         default=None,
-        help=(
-            "with --fsdp: at most this many stages gathered at once per rank (default 3, as torch), "
-            "or as many as the next prefetch + 1 compute actions use if more"
-        ),
+        help="with --fsdp: at most this many stages gathered at once per rank (default 3, as torch)",
     )
     parser.add_argument(
         "--merge-iw", action="store_true", help="lowered, with each I directly followed by its W merged into B"

@@ -40,10 +40,9 @@ def lower(
     """Validate ``schedule`` (compute-only) and return it lowered.
 
     ``comms``: SEND/RECV between stages on different ranks. ``grad_reduce``: REDUCE_GRAD after
-    each stage's last backward. ``fsdp``: UNSHARD ``prefetch`` compute actions ahead of use, at
-    most ``max_unsharded`` stages gathered at once per rank (None: no limit) unless the stages
-    used in the next ``prefetch + 1`` compute actions are more, RESHARD after a stage's last use or
-    to make room (see :mod:`pipetrain.plan.passes.fsdp`). ``merge_iw``: I
+    each stage's last backward. ``fsdp``: UNSHARD up to ``prefetch`` compute actions ahead of use,
+    never more than ``max_unsharded`` stages gathered at once per rank (None: no limit), RESHARD
+    after a stage's last use or to make room (see :mod:`pipetrain.plan.passes.fsdp`). ``merge_iw``: I
     directly followed by its W becomes one B. ``recv_ahead``: post the receives from peers that
     send gradients up to that many groups early (gloo: matching per tag; see
     :mod:`pipetrain.plan.passes.early_recv`), so the early receives are in the schedule that

@@ -1,16 +1,16 @@
 """The FSDP pass: UNSHARD a stage shortly before it computes, RESHARD it when it must make room.
 
-Each rank walks its compute actions. A stage is gathered from ``prefetch`` compute actions before
-each use through that use (its *window*), and freed right after its last use of the step. Between
-two uses it stays gathered while the rank has room: at most ``max_unsharded`` stages at once
-(torch's ``max_active_stages``, 3 by default there and here). When a gather would exceed that,
-the idle stage (not in its window) used furthest in the future is freed, right after its last
-use (Belady's rule, optimal for a plain cache; a heuristic here, where windows overlap). Stages
-whose windows overlap are gathered together even beyond the limit. With ``max_unsharded=1`` a
-stage is freed as soon as its window ends, so at every compute action exactly the stages used in
-the next ``prefetch + 1`` are gathered; with at least as many as the rank holds, each stage is
-gathered once per step. Linear in the number of actions for a given limit (torch 2.13's pass
-rescans the rest of the list per action: quadratic).
+Each rank walks its compute actions. A stage is gathered up to ``prefetch`` compute actions before
+each use (so the gather overlaps the compute before it) and freed right after its last use of the
+step; between two uses it stays gathered while the rank has room. At most ``max_unsharded``
+stages are gathered at once (torch's ``max_active_stages``, 3 by default there and here): a hard
+cap, as torch's, except for an OVERLAP_F_B whose parts alone use more stages. To make room, the
+stage idle over the whole prefetch window and used again furthest ahead is freed right after its
+last use (Belady's rule, optimal for a plain cache; a heuristic here); a gather that still finds
+no room waits until it does, at the latest right before its use. So with ``max_unsharded=1`` only
+the stage computing is gathered (no prefetch across a change of stage), and with at least as many
+as the rank holds each stage is gathered once per step. Linear in the number of actions for a
+given limit and prefetch (torch 2.13's pass rescans the rest of the list per action: quadratic).
 """
 
 from __future__ import annotations
@@ -125,40 +125,99 @@ def _bounded(
     reshard: list[Action],
 ) -> None:
     """:func:`fsdp_slots` when the rank holds more stages than ``limit``: the walk of the module
-    docstring. ``held`` maps each gathered stage to its latest use so far. At compute action ``k``,
-    whose gathers go in slot ``t``, a held stage is idle if its latest use came before ``t`` and its
-    next use comes after ``k`` (a use at ``k`` has its window open at ``t``: freeing the stage would
-    gather it straight back); freeing it means a RESHARD right after its latest use."""
-    held: dict[int, int] = {}
-    seen = dict.fromkeys(uses, 0)  # per stage, how many of its uses have been walked
-    never = len(computes)
-
-    def next_use(s: int) -> int:
-        row = uses[s]
-        return row[seen[s]] if seen[s] < len(row) else never
-
-    def free_idle(t: int, k: int, room: int) -> None:
-        """Free idle stages, furthest next use first (done ones first), until at most ``room`` are held."""
-        while len(held) > room:
-            idle = [s for s, last in held.items() if last < t and next_use(s) > k]
-            if not idle:
-                return
-            s = max(idle, key=next_use)
-            _add(after, held.pop(s), reshard[s])
-
+    docstring, one compute action at a time (:class:`_CappedWalk`)."""
+    walk = _CappedWalk(uses, limit, len(computes), after, reshard)
     for k, action in enumerate(computes):
-        t = max(0, k - prefetch)  # the slot where a gather for this use goes
-        free_idle(t, k, limit)
+        t = max(0, k - prefetch)
+        walk.make_room_at(t, k)
         parts = action.sub_actions
         for s in dict.fromkeys(p.stage for p in parts) if parts is not None else (action.stage,):
-            if s not in held:
-                free_idle(t, k, limit - 1)
-                _add(before, t, unshard[s])
-            held[s] = k
-            seen[s] += 1
-    # A stage past its last use that never had to make room is freed right after that use too.
-    for s, last in held.items():
+            if walk.use(s, t, k):
+                _add(before, walk.slot, unshard[s])
+    for s, last in walk.held.items():  # each stage freed right after its last use
         _add(after, last, reshard[s])
+
+
+class _CappedWalk:
+    """The state of :func:`_bounded`'s walk.
+
+    ``held`` maps each gathered stage to its latest use so far; after that use it stays gathered
+    (its *tail*) until freed, which puts a RESHARD right after that use. ``occ[j]`` counts the
+    stages gathered at compute action ``j`` other than by a tail. A stage not held when action
+    ``k`` uses it is gathered at slot ``t = k - prefetch`` if the limit allows there and up to
+    ``k``; while some of those actions are full, a stage gathered there by a tail and not used
+    again before ``k`` is freed: one idle over the whole window, used again furthest ahead, first
+    (Belady), else the one used least recently. Where none is left, the gather waits until after
+    the last full action. Hence, whenever the stages used in the next ``prefetch + 1`` actions
+    fit the limit, they are all gathered.
+    """
+
+    def __init__(self, uses: dict[int, list[int]], limit: int, n: int, after: Slots, reshard: list[Action]) -> None:
+        self.uses, self.limit, self.never = uses, limit, n
+        self.after, self.reshard = after, reshard
+        self.held: dict[int, int] = {}
+        self.occ = [0] * n
+        self.seen = dict.fromkeys(uses, 0)  # per stage, how many of its uses have been walked
+        self.freed_after: dict[int, int] = {}  # per stage, the use it was last freed after
+        self.slot = 0  # where the last gather :meth:`use` asked for goes
+
+    def next_use(self, s: int) -> int:
+        row, seen = self.uses[s], self.seen[s]
+        return row[seen] if seen < len(row) else self.never
+
+    def count(self, j: int) -> int:
+        """Stages gathered at compute action ``j`` (``j`` in the current window or later)."""
+        return self.occ[j] + sum(1 for last in self.held.values() if last < j)
+
+    def free_one(self, t: int, k: int, covering: int) -> bool:
+        """Free a held stage whose tail covers action ``covering`` and that ``k`` does not use (in
+        the class docstring's order); False if there is none."""
+        held, next_use = self.held, self.next_use
+        idle = [s for s, last in held.items() if last < covering and next_use(s) > k]
+        if not idle:
+            return False
+        s = min(idle, key=lambda s: (max(held[s], t - 1), -next_use(s)))
+        last = held.pop(s)
+        _add(self.after, last, self.reshard[s])
+        self.freed_after[s] = last
+        return True
+
+    def make_room_at(self, t: int, k: int) -> None:
+        """Back within the limit at ``k`` (over it only after an OVERLAP_F_B using more stages)."""
+        while self.count(k) > self.limit and self.free_one(t, k, k):
+            pass
+
+    def gather_slot(self, t: int, k: int) -> int:
+        """Where a gather for use ``k`` goes, freeing stages as the class docstring says."""
+        while True:
+            full = next((j for j in range(k, t - 1, -1) if self.count(j) >= self.limit), -1)
+            if full < 0:
+                return t
+            if not self.free_one(t, k, full):
+                return min(full + 1, k)  # (k itself full: only an OVERLAP_F_B using too many stages)
+
+    def use(self, s: int, t: int, k: int) -> bool:
+        """Stage ``s`` computes at ``k``: True if it needs a gather (at :attr:`slot`)."""
+        last = self.held.get(s)
+        gather = False
+        if last is not None:  # its tail up to k is now counted in occ
+            first = max(last + 1, t)
+        else:
+            first = self.gather_slot(t, k)
+            if self.freed_after.get(s, -2) + 1 == first:  # freed right before: keep it instead
+                bucket = self.after[first - 1]
+                assert bucket is not None
+                bucket.remove(self.reshard[s])
+                if not bucket:
+                    self.after[first - 1] = None
+            else:
+                gather, self.slot = True, first
+        occ = self.occ
+        for j in range(first, k + 1):
+            occ[j] += 1
+        self.held[s] = k
+        self.seen[s] += 1
+        return gather
 
 
 def _add(slots: Slots, k: int, action: Action) -> None:
