@@ -203,6 +203,36 @@ def test_fsdp_keeps_stages_gathered_within_the_limit(label: str, schedule: Sched
         assert all(a >= b for a, b in zip(counts[fewer], counts[more], strict=True)), (label, fewer, more, counts)
 
 
+_STEP = st.one_of(st.integers(0, 5), st.tuples(st.integers(0, 5), st.integers(0, 5)))
+
+
+@settings(max_examples=400, deadline=None)
+@given(steps=st.lists(_STEP, max_size=24), prefetch=st.integers(0, 4), limit=st.one_of(st.none(), st.integers(1, 6)))
+def test_fsdp_cap_and_window_on_any_order(steps: list[int | tuple[int, int]], prefetch: int, limit: int | None) -> None:
+    """Any order of stages on one rank (pairs are OVERLAP_F_B): the cap holds unless one action
+    uses more stages; the next prefetch+1 actions' stages are gathered whenever they fit; no
+    stage is freed and gathered again with no compute between; with room for all, one gather each."""
+    program = [
+        Action.overlap(Action(s[0], K.F, k), Action(s[1], K.B, k)) if isinstance(s, tuple) else Action(s, K.F, k)
+        for k, s in enumerate(steps)
+    ]
+    stages = sorted({p.stage for a in program for p in a.parts})
+    schedule = Schedule(
+        {0: list(program)}, stage_to_rank=dict.fromkeys(range(6), 0), num_microbatches=max(1, len(steps))
+    )
+    out = add_fsdp(schedule, prefetch, max_unsharded=limit)
+    uses = [{p.stage for p in a.parts} for a in program]
+    during, gathers = _gathered(out.actions[0])
+    cap = len(stages) if limit is None else limit
+    for k, held in enumerate(during):
+        assert uses[k] <= held and len(held) <= max(cap, len(uses[k])), (k, held)
+        window = set().union(*uses[k : k + prefetch + 1])
+        if len(window) <= cap:
+            assert window <= held, (k, held, window)
+    if len(stages) <= cap:
+        assert gathers == len(stages)
+
+
 def test_fsdp_prefetch_frees_a_stage_idle_over_the_window() -> None:
     """To gather 2 one action early at a limit of 2, the pass frees stage 0 (idle since before the
     window) rather than stage 1 (used in it), and never a stage the action itself uses."""
