@@ -185,12 +185,25 @@ def test_unknown_picture_format_in_the_library_is_a_schedule_error(tmp_path: Pat
         (("--memory-limit", "nan"), "--memory-limit must be a finite number >= 0, got nan"),
         (("--memory-limit", "inf"), "--memory-limit must be a finite number >= 0, got inf"),
         (("-m", "0"), "--microbatches must be >= 1, got 0"),
+        (("--time-limit", "0"), "--time-limit must be a finite number of seconds > 0, got 0"),
+        (("--time-limit", "nan"), "--time-limit must be a finite number of seconds > 0, got nan"),
+        (("--time-limit", "inf"), "--time-limit must be a finite number of seconds > 0, got inf"),
     ],
 )
 def test_plan_rejects_bad_numbers(capsys: pytest.CaptureFixture[str], argv: tuple[str, ...], message: str) -> None:
     code, out, err = run(capsys, "plan", "-p", "2", "-m", "4", *argv)
     assert code == 1 and out == ""
     assert err.strip() == f"pipetrain plan: error: {message}"
+
+
+@pytest.mark.parametrize(("placement", "label"), [("v", "(V placement)"), ("loop", "(loop placement)")])
+def test_plan_placement_alone_plans_two_stages_per_rank(
+    capsys: pytest.CaptureFixture[str], placement: str, label: str
+) -> None:
+    code, out, _ = run(capsys, "plan", "-p", "4", "-m", "8", "--placement", placement, "--time-limit", "0.3")
+    assert code == 0
+    chosen = next(line for line in out.splitlines() if line.startswith("->"))
+    assert chosen.split()[1] == "2" and chosen.endswith(label), chosen
 
 
 def test_compare_rejects_zero_stages_per_rank(capsys: pytest.CaptureFixture[str]) -> None:

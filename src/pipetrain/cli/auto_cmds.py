@@ -72,6 +72,8 @@ def _plan(args: argparse.Namespace) -> int:
     limit = args.memory_limit
     if limit is not None and not (math.isfinite(limit) and limit >= 0):
         raise ScheduleError(f"--memory-limit must be a finite number >= 0, got {limit:g}")
+    if not (math.isfinite(args.time_limit) and args.time_limit > 0):
+        raise ScheduleError(f"--time-limit must be a finite number of seconds > 0, got {args.time_limit:g}")
     costs = _read_costs(args)
     target = schedule_output(args)
     ranked = rank_schedules(
@@ -99,7 +101,8 @@ def _plan(args: argparse.Namespace) -> int:
     v = chosen.num_stages // args.ranks
     stage_costs = costs.cut_into(v)
     result = simulate(chosen, stage_costs)
-    layout = "V" if v == 2 and chosen.stage_to_rank.get(2 * args.ranks - 1) == 0 else "loop"
+    # (With one rank the two layouts are the same.)
+    layout = "V" if v == 2 and args.ranks > 1 and chosen.stage_to_rank.get(2 * args.ranks - 1) == 0 else "loop"
     print(
         f"{'->':2}{chosen.name:24}{v:>3}{result.makespan:>11.4g}{100 * result.bubble:>8.1f}%{found.memory:>9.2f}"
         f"  yes  ({layout} placement)"

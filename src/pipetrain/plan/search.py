@@ -15,6 +15,7 @@ whole share (1F1B's rank 0 holds ``num_ranks`` of them).
 from __future__ import annotations
 
 import math
+import numbers
 import random
 import time
 from collections.abc import Iterable, Sequence
@@ -71,6 +72,47 @@ def _fixed_stages(costs: Costs, num_ranks: int) -> int | None:
     return n // num_ranks
 
 
+def _count(label: str, value: object) -> int:
+    """``value`` as an int >= 1 (numpy integers too), else a ScheduleError naming ``label``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ScheduleError(f"{label} must be an integer >= 1, got {value!r}")
+    return int(value)
+
+
+def _finite(label: str, value: object, *, positive: bool = False) -> float:
+    """``value`` as a finite float >= 0 (> 0 if ``positive``), else a ScheduleError naming ``label``."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not math.isfinite(value)
+        or value < 0
+        or (positive and value == 0)
+    ):
+        raise ScheduleError(f"{label} must be a finite number {'>' if positive else '>='} 0, got {value!r}")
+    return float(value)
+
+
+def _checked_sizes(
+    num_ranks: object, num_microbatches: object, costs: object, memory_limit: object, stages_per_rank: object
+) -> tuple[int, int, float | None, int | None]:
+    """The planners' arguments checked (a bad one named, never a stray IndexError) and normalised."""
+    if not isinstance(costs, Costs):
+        raise ScheduleError(f"costs must be a pipetrain.plan.Costs, got {type(costs).__name__}: {costs!r}")
+    return (
+        _count("num_ranks", num_ranks),
+        _count("num_microbatches", num_microbatches),
+        None if memory_limit is None else _finite("memory_limit", memory_limit),
+        None if stages_per_rank is None else _count("stages_per_rank", stages_per_rank),
+    )
+
+
+def _name_list(names: Iterable[str] | str | None) -> list[str] | None:
+    """``names`` as a list (one string is one name, not its letters)."""
+    if names is None:
+        return None
+    return [names] if isinstance(names, str) else list(names)
+
+
 def rank_schedules(
     num_ranks: int,
     num_microbatches: int,
@@ -84,48 +126,66 @@ def rank_schedules(
     """Every candidate, best first (those that fit the memory limit before those that do not).
 
     With a ``deadline`` (a ``time.perf_counter()`` value) candidates are built until it passes,
-    zero-bubble families first, so a planner at scale keeps to its time limit."""
-    # Checked here, not left to the generators: 0 would read as "any" and NaN fits nothing silently.
-    if stages_per_rank is not None and (type(stages_per_rank) is not int or stages_per_rank < 1):
-        raise ScheduleError(f"stages_per_rank must be an integer >= 1, got {stages_per_rank!r}")
-    if memory_limit is not None and (
-        isinstance(memory_limit, bool)
-        or not isinstance(memory_limit, int | float)
-        or not math.isfinite(memory_limit)
-        or memory_limit < 0
-    ):
-        raise ScheduleError(f"memory_limit must be a finite number >= 0, got {memory_limit!r}")
+    zero-bubble families and 1 or 2 stages per rank first, so a planner at scale keeps to its
+    time limit."""
+    num_ranks, num_microbatches, memory_limit, stages_per_rank = _checked_sizes(
+        num_ranks, num_microbatches, costs, memory_limit, stages_per_rank
+    )
+    pairs = _pairs(num_ranks, costs, _name_list(names), stages_per_rank, deadline is not None)
+    return _rank(num_ranks, num_microbatches, costs, memory_limit, pairs, deadline)[0]
+
+
+def _pairs(
+    num_ranks: int, costs: Costs, listed: list[str] | None, stages_per_rank: int | None, likely_first: bool
+) -> list[tuple[str, int]]:
+    """The (schedule name, stages per rank) to try, in the order to try them."""
     fixed = _fixed_stages(costs, num_ranks)
     if stages_per_rank is not None and fixed is not None and stages_per_rank != fixed:
         raise ScheduleError(f"stages_per_rank={stages_per_rank} contradicts the {fixed * num_ranks} per-stage costs")
     choices = [fixed or stages_per_rank] if (fixed or stages_per_rank) else list(range(1, _MAX_STAGES_PER_RANK + 1))
-    wanted = [family(n).name for n in names] if names is not None else schedule_names()
-    if deadline is not None:
-        wanted.sort(key=lambda n: _LIKELY_BEST.index(n) if n in _LIKELY_BEST else len(_LIKELY_BEST))
+    wanted = [family(n).name for n in listed] if listed is not None else schedule_names()
+    pairs = [(n, v) for n in dict.fromkeys(wanted) if n != "ForwardOnly" for v in choices if v is not None]
+    if likely_first:
+        rank = {name: i for i, name in enumerate(_LIKELY_BEST)}
+        pairs.sort(key=lambda nv: (nv[1] > 2, rank.get(nv[0], len(rank))))
+    return pairs
+
+
+def _rank(
+    num_ranks: int,
+    num_microbatches: int,
+    costs: Costs,
+    memory_limit: float | None,
+    pairs: list[tuple[str, int]],
+    deadline: float | None,
+) -> tuple[list[Candidate], list[tuple[str, int]]]:
+    """The candidates of ``pairs`` (checked arguments), best first, and the pairs not reached
+    before ``deadline``."""
+    fixed = _fixed_stages(costs, num_ranks) is not None
     candidates: list[Candidate] = []
-    for name in wanted:
-        if name == "ForwardOnly":
-            continue
+    for index, (name, v) in enumerate(pairs):
         if deadline is not None and candidates and time.perf_counter() > deadline:
-            break
-        for v in choices:
-            assert v is not None
-            try:
-                schedule = build_schedule(name, num_ranks, num_microbatches, v)
-            except ScheduleError:
-                continue
-            if schedule.num_stages != num_ranks * v:
-                continue
-            stage_costs = costs if fixed else costs.cut_into(v)
-            result = simulate(schedule, stage_costs, check=False)  # a generator's own output
-            if result.peak_memory_bytes is not None:
-                memory = max(result.peak_memory_bytes.values(), default=0.0)
-            else:
-                memory = result.max_peak_memory / v
-            fits = memory_limit is None or memory <= memory_limit + 1e-9
-            candidates.append(Candidate(name, v, schedule, result, memory, fits))
-    candidates.sort(key=lambda c: (not c.fits, c.result.makespan, c.memory, c.stages_per_rank))
-    return candidates
+            return sorted(candidates, key=_rank_key), pairs[index:]
+        try:
+            schedule = build_schedule(name, num_ranks, num_microbatches, v)
+        except ScheduleError:
+            continue
+        if schedule.num_stages != num_ranks * v:
+            continue
+        stage_costs = costs if fixed else costs.cut_into(v)
+        result = simulate(schedule, stage_costs, check=False)  # a generator's own output
+        if result.peak_memory_bytes is not None:
+            memory = max(result.peak_memory_bytes.values(), default=0.0)
+        else:
+            memory = result.max_peak_memory / v
+        fits = memory_limit is None or memory <= memory_limit + 1e-9
+        candidates.append(Candidate(name, v, schedule, result, memory, fits))
+    return sorted(candidates, key=_rank_key), []
+
+
+def _rank_key(c: Candidate) -> tuple[bool, float, float, int]:
+    """Those that fit first, then by makespan, memory and the number of stages."""
+    return (not c.fits, c.result.makespan, c.memory, c.stages_per_rank)
 
 
 def auto_schedule(
@@ -144,9 +204,17 @@ def auto_schedule(
 
     Constructs per-rank orders of F, I, W (or B) for the given costs (see :mod:`pipetrain.plan.autoplan`),
     starting from every named schedule that fits, and returns the best: a named schedule when none
-    constructed beats it, else a schedule named "Auto". ``placement`` ("loop" or "v") fixes the layout
-    with two stages per rank; ``names`` restricts the named schedules considered. Raises
-    ScheduleError when nothing fits, naming the least memory a layout needs.
+    constructed beats it, else a schedule named "Auto". ``placement`` ("loop" or "v") fixes the layout,
+    with two stages per rank unless ``stages_per_rank`` or per-stage costs say otherwise (a V needs
+    two); ``names`` restricts the named schedules considered. Raises ScheduleError when nothing
+    fits, naming the least memory a layout needs.
+
+    Time: the named schedules are simulated first (zero-bubble families and 1 or 2 stages per rank
+    first) for up to 0.4 of ``time_limit``; those not reached then are simulated after the
+    construction, in time kept back for them at the rate of the first ones. A limit too short
+    even for that may miss a named schedule that would have won. Where no named schedule fits,
+    one construction always runs, which can outlast a very short limit at scale (about 4 s at
+    64 ranks x 256 microbatches).
     """
     return plan_schedule(
         num_ranks,
@@ -186,23 +254,25 @@ def plan_schedule(
 ) -> Plan:
     """:func:`auto_schedule` with what it compared against."""
     started = time.perf_counter()
-    if isinstance(time_limit, bool) or not isinstance(time_limit, int | float) or not time_limit > 0:
-        raise ScheduleError(f"time_limit must be a number of seconds > 0, got {time_limit!r}")
+    time_limit = _finite("time_limit (seconds)", time_limit, positive=True)
     if placement is not None and placement not in ("loop", "v"):
         raise ScheduleError(f"placement must be 'loop' or 'v', got {placement!r}")
+    num_ranks, num_microbatches, memory_limit, stages_per_rank = _checked_sizes(
+        num_ranks, num_microbatches, costs, memory_limit, stages_per_rank
+    )
+    listed = _name_list(names)
     fixed = _fixed_stages(costs, num_ranks)
+    if placement is not None and fixed is None and stages_per_rank is None:
+        stages_per_rank = 2  # (a placement is a layout of two stages per rank unless told otherwise)
     # Keep back what writing the result out costs (to_schedule is linear in the actions).
     largest = 3 * num_ranks * (fixed or stages_per_rank or 2) * num_microbatches
     deadline = started + time_limit - min(0.2 * time_limit, SECONDS_PER_ACTION * largest)
-    ranked = rank_schedules(
-        num_ranks,
-        num_microbatches,
-        costs,
-        memory_limit,
-        names=names,
-        stages_per_rank=stages_per_rank,
-        deadline=started + _NAMED_SHARE * time_limit,
-    )
+    pairs = _pairs(num_ranks, costs, listed, stages_per_rank, True)
+    ranked, rest = _rank(num_ranks, num_microbatches, costs, memory_limit, pairs, started + _NAMED_SHARE * time_limit)
+    # Time for the named schedules that share did not reach, after the search: at the rate of the
+    # first ones, at most half of what is left.
+    per_pair = (time.perf_counter() - started) / max(1, len(pairs) - len(rest))
+    search_deadline = deadline - min(per_pair * len(rest), 0.5 * max(0.0, deadline - time.perf_counter()))
     choices = [fixed or stages_per_rank] if (fixed or stages_per_rank) else [1, 2]
     layouts: list[tuple[int, str]] = []
     for v in choices:
@@ -238,7 +308,9 @@ def plan_schedule(
     # With two layouts that CP-SAT can take, each gets a first look (list scheduling and local
     # search); the better one then gets what time is left for CP-SAT over windows.
     several = len(problems) > 1 and all(uses_windows(p) for p in problems)
-    first_until = time.perf_counter() + (_FIRST_LOOK_SHARE if several else 1.0) * (deadline - time.perf_counter())
+    first_until = time.perf_counter() + (_FIRST_LOOK_SHARE if several else 1.0) * (
+        search_deadline - time.perf_counter()
+    )
     for index, problem in enumerate(problems):
         share = (first_until - time.perf_counter()) / (len(problems) - index)
         if best_named is not None and share < 2 * SECONDS_PER_ACTION * 3 * problem.num_stages * num_microbatches:
@@ -254,9 +326,14 @@ def plan_schedule(
         found.sort(key=lambda item: item[0])
         polished: list[tuple[float, Problem, Orders]] = []
         for makespan, problem, orders in found:
-            orders, makespan = polish(problem, orders, makespan, deadline, rng, blocks_first=best_named is None)
+            orders, makespan = polish(problem, orders, makespan, search_deadline, rng, blocks_first=best_named is None)
             polished.append((makespan, problem, orders))
         found = polished
+    if rest and time.perf_counter() < deadline:
+        more, _ = _rank(num_ranks, num_microbatches, costs, memory_limit, rest, deadline)
+        fitting = [c for c in more if c.fits and (placement is None or family(c.name).placement == placement)]
+        if fitting and (best_named is None or _rank_key(fitting[0]) < _rank_key(best_named)):
+            best_named = fitting[0]
     if found:
         makespan, problem, orders = min(found, key=lambda item: item[0])
         if best_named is None or makespan < best_named.result.makespan - 1e-9:
