@@ -158,13 +158,14 @@ def _rank(
     memory_limit: float | None,
     pairs: list[tuple[str, int]],
     deadline: float | None,
+    at_least_one: bool = True,
 ) -> tuple[list[Candidate], list[tuple[str, int]]]:
     """The candidates of ``pairs`` (checked arguments), best first, and the pairs not reached
-    before ``deadline``."""
+    before ``deadline`` (past which one candidate is still built if ``at_least_one``)."""
     fixed = _fixed_stages(costs, num_ranks) is not None
     candidates: list[Candidate] = []
     for index, (name, v) in enumerate(pairs):
-        if deadline is not None and candidates and time.perf_counter() > deadline:
+        if deadline is not None and (candidates or not at_least_one) and time.perf_counter() > deadline:
             return sorted(candidates, key=_rank_key), pairs[index:]
         try:
             schedule = build_schedule(name, num_ranks, num_microbatches, v)
@@ -330,7 +331,7 @@ def plan_schedule(
             polished.append((makespan, problem, orders))
         found = polished
     if rest and time.perf_counter() < deadline:
-        more, _ = _rank(num_ranks, num_microbatches, costs, memory_limit, rest, deadline)
+        more, _ = _rank(num_ranks, num_microbatches, costs, memory_limit, rest, deadline, at_least_one=False)
         fitting = [c for c in more if c.fits and (placement is None or family(c.name).placement == placement)]
         if fitting and (best_named is None or _rank_key(fitting[0]) < _rank_key(best_named)):
             best_named = fitting[0]
