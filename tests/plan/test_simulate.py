@@ -17,6 +17,7 @@ from pipetrain.plan.generators import build_schedule, schedule_names
 from pipetrain.plan.schedule import Schedule
 from pipetrain.plan.simulate import simulate
 from pipetrain.plan.timeline import Timeline
+from pipetrain.plan.validate import validate
 
 
 def sched(rows: dict[int, list[str]], **kw: object) -> Schedule:
@@ -193,6 +194,27 @@ def test_missing_send_in_lowered_schedule_is_reported() -> None:
     low = sched({0: ["0F0", "0RECV_B0", "0B0"], 1: ["1RECV_F0", "1F0", "1B0", "1SEND_B0"]})
     with pytest.raises(ScheduleError, match=r"rank 0, step 0, action 0F0: .* but no 0SEND_F0 follows it"):
         simulate(low)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ("0RECV_B1", r"duplicate 0RECV_B1, already at step"),
+        ("0SEND_F1", r"duplicate 0SEND_F1, already at step"),
+        ("0REDUCE_GRAD", r"REDUCE_GRAD"),
+    ],
+)
+def test_a_broken_lowered_schedule_is_refused_not_timed(extra: str, message: str) -> None:
+    """A lowered schedule is checked by validate's rules under gloo's model (the simulation's):
+    a message received twice used to be timed."""
+    low = build_schedule("1F1B", 2, 2).lower(grad_reduce=True)
+    rows = {r: [str(a) for a in low.actions[r] if a is not None] for r in range(2)}
+    rows[0].append(extra)
+    broken = sched(rows)
+    with pytest.raises(ScheduleError, match=message):
+        simulate(broken)
+    with pytest.raises(ScheduleError, match=message):
+        validate(broken, matching="gloo")
 
 
 @pytest.mark.parametrize(

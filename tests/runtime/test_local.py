@@ -57,6 +57,45 @@ def test_custom_csv_schedule_and_default_ranks() -> None:
     assert LocalPipeline(make_layers("mlp", 4), "ZBVZeroBubble", 4).num_ranks == 2
 
 
+@pytest.mark.parametrize("how", ["lower_options", "lowered"])
+@pytest.mark.parametrize("name", ["1F1B", "Interleaved1F1B", "ZBVZeroBubble"])
+def test_early_receives_run_locally(name: str, how: str) -> None:
+    """A schedule with receives posted early (lower(recv_ahead=2), valid under gloo's matching,
+    which the in-process mailboxes follow) runs and gives plain training's gradients, whether
+    asked for in lower_options or handed over lowered."""
+    v = stages_per_rank(name)
+    layers = make_layers("mlp", 2 * v)
+    x, y = make_batch("mlp", 8)
+    ref_layers, _, _ = reference(layers, x, y, 4)
+    schedule = build_schedule(name, 2, 4, v)
+    if how == "lowered":
+        pipe = LocalPipeline(layers, schedule.lower(recv_ahead=2), loss_fn=nn.functional.mse_loss)
+    else:
+        pipe = LocalPipeline(layers, schedule, loss_fn=nn.functional.mse_loss, lower_options={"recv_ahead": 2})
+    pipe.step(x, target=y)
+    for layer, ref in zip(layers, ref_layers, strict=True):
+        for p, q in zip(layer.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_early_receives_are_refused_under_the_strict_model_with_the_reason() -> None:
+    """On a backend pairing messages in posting order (NCCL), early receives are refused saying
+    why, both as a lowering option and in a lowered schedule."""
+    from pipetrain.runtime.prepare import prepare_for
+    from pipetrain.stage import PipelineStage
+
+    stages = [PipelineStage(nn.Linear(8, 8), i, 2, "cpu") for i in range(2)]
+    schedule = build_schedule("1F1B", 2, 4)
+    with pytest.raises(PipelineError, match=r"recv_ahead \(early receives\) needs a backend that matches"):
+        prepare_for(schedule, {"recv_ahead": 2}, stages, 0, 0, "nccl")
+    with pytest.raises(PipelineError, match="it runs under gloo's matching, per peer and tag"):
+        prepare_for(schedule.lower(recv_ahead=2), {}, stages, 0, 0, "nccl")
+    # gloo's runtime takes it, and a recv_ahead among the lowering options is the window itself
+    prepared = prepare_for(schedule, {"recv_ahead": 2}, stages, 0, 4, "gloo")
+    assert prepared.recv_ahead == 2 and prepared.matching == "gloo"
+    assert prepare_for(schedule.lower(recv_ahead=2), {}, stages, 0, 4, "gloo").matching == "gloo"
+
+
 def test_errors_name_rank_step_and_action() -> None:
     class Broken(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -237,15 +237,18 @@ def _overlap_op(
 def simulate(schedule: Schedule, costs: Costs | None = None, *, check: bool = True) -> SimResult:
     """Simulate ``schedule`` under ``costs`` (default: F=1, I=W=1, B=2, comm 0); see the module docs.
 
-    ``check`` first applies :func:`~pipetrain.plan.validate.validate`'s structural rules (each
-    action placed on its stage's rank, every (stage, microbatch) forwarded once and backwarded
-    once), so a broken schedule is refused, not timed; deadlocks are found by the simulation
-    itself. ``check=False`` skips that scan (about 15 % of the time) for schedules known to be
-    well formed, such as the generators' output.
+    ``check`` first applies :func:`~pipetrain.plan.validate.validate`'s rules, so a broken
+    schedule is refused, not timed: for a compute schedule the structural ones (each action placed
+    on its stage's rank, every (stage, microbatch) forwarded once and backwarded once; deadlocks
+    are found by the simulation itself), for a lowered one all of them under gloo's matching model,
+    which is the simulation's (each message's SEND and RECV once, in matching order, REDUCE_GRAD
+    once per stage after its last backward, ...). ``check=False`` skips them (about 15 % of the
+    time for a compute schedule) for schedules known to be well formed, such as the generators'
+    output.
     """
     with gc_paused():  # many small acyclic objects: the cyclic collector only costs time here
-        if check:
-            check_structure(schedule)
+        if check and check_structure(schedule):
+            validate(schedule, matching="gloo")
         return _simulate(schedule, costs)
 
 

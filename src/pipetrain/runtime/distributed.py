@@ -111,9 +111,12 @@ class PipelineScheduleRuntime(StepDriver):
         self._transport = DistTransport(self.group, self._stage_list[0].device, self._failure, self._waiter)
         # Early receives leave the matching alone only where it is per peer and tag (gloo).
         self._recv_ahead = 0 if self._transport.single_tag else recv_window(recv_ahead)
+        self._matching = "nccl" if self._transport.single_tag else "gloo"
         self._planned = schedule  # as given (what _dump_csv writes in compute_only form)
         try:
-            self._prepared = prepare_for(schedule, self._lower_options, self._stage_list, self.rank, self._recv_ahead)
+            self._prepared = prepare_for(
+                schedule, self._lower_options, self._stage_list, self.rank, self._recv_ahead, self._matching
+            )
         except PipelineError as err:  # every rank refuses the same schedule, before any communication
             self._refuse(f"rank {self.rank} failed while building the runtime: {err}")
             raise
@@ -190,7 +193,9 @@ class PipelineScheduleRuntime(StepDriver):
 
     def _use_schedule(self, schedule: Schedule, source: str) -> None:
         try:
-            prepared = prepare_for(schedule, self._lower_options, self._stage_list, self.rank, self._recv_ahead)
+            prepared = prepare_for(
+                schedule, self._lower_options, self._stage_list, self.rank, self._recv_ahead, self._matching
+            )
             self._check_stages(prepared.schedule)
         except PipelineError as err:
             raise PipelineError(f"{source}: {err}") from None

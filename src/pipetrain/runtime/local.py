@@ -86,7 +86,9 @@ class LocalPipeline(StepDriver):
 
     ``step`` and ``eval`` behave as those of :class:`~pipetrain.runtime.PipelineScheduleRuntime`
     on all ranks at once: the merged output and the losses are those of the last stage, and each
-    parameter's gradient is what distributed training would give.
+    parameter's gradient is what distributed training would give. The schedule is checked under
+    gloo's matching model, which the in-process mailboxes follow (early receives included);
+    ``validate(schedule)`` checks NCCL's stricter one.
     """
 
     def __init__(
@@ -125,7 +127,9 @@ class LocalPipeline(StepDriver):
         )
         self.stages = [PipelineStage(m, i, len(modules), device) for i, m in enumerate(modules)]
         self._lower_options = dict(lower_options or {})
-        self._prepared = prepare_for(schedule, self._lower_options, self.stages, 0, 0)
+        # Its mailboxes pair a rank pair's messages in order and let each operation progress on its
+        # own: gloo's matching model, early receives included.
+        self._prepared = prepare_for(schedule, self._lower_options, self.stages, 0, 0, "gloo")
         self.n_microbatches = self.schedule.num_microbatches
         self.num_ranks = self.schedule.num_ranks
         self._transport = LocalTransport()

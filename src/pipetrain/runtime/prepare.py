@@ -78,17 +78,41 @@ def read_torch_csv(filename: str, format: str, n_microbatches: int, where: str =
     return schedule
 
 
-def prepare_schedule(schedule: Schedule, **lower_options: Any) -> Schedule:
-    """Validate (before any communication) and lower a compute-only schedule; check a lowered one."""
+def prepare_schedule(schedule: Schedule, matching: str = "nccl", **lower_options: Any) -> Schedule:
+    """Validate (before any communication) and lower a compute-only schedule; check a lowered one
+    under ``matching``, the model of the backend that runs it (docs/semantics.md, "Matching")."""
     if not isinstance(schedule, Schedule):
         raise PipelineError(f"expected a pipetrain.plan.Schedule, got {type(schedule).__name__}")
+    if lower_options.get("recv_ahead") and matching != "gloo":
+        raise PipelineError(
+            "recv_ahead (early receives) needs a backend that matches messages per peer and tag (gloo); "
+            "this one pairs them in posting order"
+        )
     try:
         if schedule.is_lowered:
-            schedule.validate()
+            _check_runs(schedule, matching)
             return schedule
         return schedule.lower(**lower_options)
     except ScheduleError as err:
         raise PipelineError(f"the schedule {schedule.name or ''} cannot run: {err}".replace("  ", " ")) from err
+
+
+def _check_runs(schedule: Schedule, matching: str) -> None:
+    """validate() under ``matching``; where the strict model refuses what gloo's accepts (early
+    receives), the error says so."""
+    try:
+        validate(schedule, matching=matching)
+    except ScheduleError as err:
+        if matching == "nccl":
+            try:
+                validate(schedule, matching="gloo")
+            except ScheduleError:
+                raise err from None
+            raise ScheduleError(
+                f"{err} (it runs under gloo's matching, per peer and tag, as early receives need; "
+                "this backend pairs messages in posting order)"
+            ) from None
+        raise
 
 
 def require_autograd(who: str) -> None:
@@ -104,12 +128,13 @@ class Prepared:
     ``base`` with receives moved early where asked, validated under the matching model of the
     backend that runs it) and each rank's compiled program."""
 
-    def __init__(self, base: Schedule, recv_ahead: int = 0) -> None:
+    def __init__(self, base: Schedule, recv_ahead: int = 0, matching: str | None = None) -> None:
         self.base = base
+        # The backend's matching model: gloo's where receives are posted early, else as given.
+        self.matching = matching or ("gloo" if recv_ahead else "nccl")
         try:
             self.schedule = post_receives_early(base, recv_ahead) if recv_ahead else base
-            # What runs is checked under the backend's matching model (early receives: gloo only).
-            validate(self.schedule, matching="gloo" if recv_ahead else "nccl")
+            _check_runs(self.schedule, self.matching)
         except ScheduleError as err:
             raise PipelineError(f"the schedule {base.name or ''} cannot run: {err}".replace("  ", " ")) from None
         self.recv_ahead = recv_ahead
@@ -126,16 +151,35 @@ class Prepared:
     def forwards(self, lower_options: dict[str, Any]) -> Prepared:
         """The forward-only schedule of the same order, for ``eval`` (FSDP gathers kept, no reduction)."""
         options = {k: v for k, v in lower_options.items() if k in ("fsdp", "prefetch", "max_unsharded")}
-        return Prepared(prepare_schedule(forwards_only(self.base), **options), self.recv_ahead)
+        return Prepared(prepare_schedule(forwards_only(self.base), **options), self.recv_ahead, self.matching)
 
 
 def prepare_for(
-    schedule: Schedule, lower_options: dict[str, Any], stages: Sequence[PipelineStage], rank: int, recv_ahead: int
+    schedule: Schedule,
+    lower_options: dict[str, Any],
+    stages: Sequence[PipelineStage],
+    rank: int,
+    recv_ahead: int,
+    matching: str | None = None,
 ) -> Prepared:
-    """``schedule`` lowered with ``lower_options``, with REDUCE_GRAD for data-parallel ``stages``."""
-    base = prepare_schedule(schedule, **lower_options)
+    """``schedule`` lowered with ``lower_options``, with REDUCE_GRAD for data-parallel ``stages``,
+    to run under ``matching`` (default: gloo's where ``recv_ahead`` posts receives early, else the
+    strict model). A ``recv_ahead`` among the lowering options is the receive window itself
+    (applied once, not on top of ``recv_ahead``)."""
+    options = dict(lower_options)
+    window = options.pop("recv_ahead", None)
+    if window is not None:
+        recv_ahead = window
+        matching = matching or ("gloo" if window else None)
+    matching = matching or ("gloo" if recv_ahead else "nccl")
+    if recv_ahead and matching != "gloo":
+        raise PipelineError(
+            f"rank {rank}: recv_ahead (early receives) needs a backend that matches messages per peer and tag "
+            "(gloo); this one pairs them in posting order"
+        )
+    base = prepare_schedule(schedule, matching, **options)
     try:
         base = with_grad_reduction(base, stages, rank)
     except ScheduleError as err:
         raise PipelineError(f"rank {rank}: {err}") from None
-    return Prepared(base, recv_ahead)
+    return Prepared(base, recv_ahead, matching)
