@@ -225,3 +225,46 @@ def test_zero_costs_still_hold_activations(capsys: pytest.CaptureFixture[str]) -
     code, out, _ = run(capsys, "simulate", "1F1B", "-p", "2", "-m", "4", "--costs", "f=0,b=0")
     assert code == 0
     assert "   0         0         0          2         0" in out  # rank 0 holds 2 microbatches, as with f=1,b=2
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"\xff\xfe", "not a UTF-8 text file"),
+        (b"", "holds no measured forward times (f=...)"),
+        (b"comm=0.001", "holds no measured forward times (f=...)"),
+    ],
+    ids=["binary", "empty", "no-f"],
+)
+def test_plan_refuses_a_costs_file_without_costs(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, content: bytes, message: str
+) -> None:
+    """A profile that is not text, or holds no forward times, is refused in one line (it used to
+    be a traceback, or a plan for the default costs)."""
+    path = tmp_path / "costs.txt"
+    path.write_bytes(content)
+    code, out, err = run(capsys, "plan", "-p", "2", "-m", "4", "--from-profile", str(path))
+    assert code == 1 and out == ""
+    assert err.strip().startswith(f"pipetrain plan: error: --from-profile {path}: {message}")
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_plan_says_what_its_memory_is_in_stage_activations_for_per_stage_costs(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """With per-stage costs too (as --from-profile gives), the memory printed in a rank's share is
+    translated into the stage activations `pipetrain simulate` prints."""
+    code, out, _ = run(
+        capsys, "plan", "-p", "2", "-m", "4", "--costs", "f=1:1:1:1,b=2:2:2:2", "--memory-limit", "1.5",
+        "--time-limit", "0.3",
+    )  # fmt: skip
+    assert code == 0
+    assert "with 2 stages per rank its memory 1.5 is 3 stage activations, as simulate counts" in out
+
+
+def test_compare_says_whether_its_costs_are_per_stage(capsys: pytest.CaptureFixture[str]) -> None:
+    """Plain numbers are a rank's share, cut per stage; with any ':' value all are per stage."""
+    code, out, _ = run(capsys, "compare", "-p", "2", "-m", "4", "-v", "2", "--costs", "f=0.5:0.5:0.5:0.5,b=2")
+    assert code == 0 and out.splitlines()[0].endswith("per stage, 2 stages per rank")
+    code, out, _ = run(capsys, "compare", "-p", "2", "-m", "4", "--costs", "f=0.5,b=2")
+    assert code == 0 and out.splitlines()[0].endswith("per rank's share of the model")

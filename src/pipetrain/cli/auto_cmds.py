@@ -32,7 +32,8 @@ def register(subparsers: Any) -> None:
         default="f=1,b=2",
         help="durations of one rank's share of the model, e.g. f=1,b=2,i=1,w=1,comm=0.1: a schedule with v "
         "stages per rank runs each stage in 1/v of them, so every candidate runs the same model; or one value "
-        "per stage with ':' (e.g. f=2:1:1:2), which fixes the number of stages",
+        "per stage with ':' (e.g. f=2:1:1:2), which fixes the number of stages and makes every number per stage, "
+        "plain ones included",
     )
     costs.add_argument(
         "--from-profile",
@@ -117,14 +118,16 @@ def _plan(args: argparse.Namespace) -> int:
         )
     else:
         print(f"{named.name} stays the best: nothing constructed in {args.time_limit:g} s beat it")
+    # simulate takes costs per stage and counts stage activations: say what reproduces these numbers.
+    activations = (
+        f"its memory {found.memory:g} is {found.memory * v:g} stage activations, as simulate counts"
+        if costs.activation_bytes is None and v > 1
+        else ""
+    )
     if stage_costs != costs:
-        # simulate takes costs per stage: say which ones reproduce these numbers for the file.
-        activations = (
-            f"; its memory {found.memory:g} is {found.memory * v:g} stage activations, as simulate counts"
-            if costs.activation_bytes is None
-            else ""
-        )
-        print(f"with {v} stages per rank each stage costs {stage_costs}{activations}")
+        print(f"with {v} stages per rank each stage costs {stage_costs}" + (f"; {activations}" if activations else ""))
+    elif activations:
+        print(f"with {v} stages per rank {activations}")
     if target is not None:
         path = write_schedule(chosen, target)
         print(f"wrote {path}")
@@ -140,6 +143,13 @@ def _read_costs(args: argparse.Namespace) -> Costs:
             text = handle.read().strip()
     except OSError as exc:
         raise ScheduleError(f"--from-profile {args.from_profile}: cannot read it ({exc.strerror})") from None
+    except UnicodeDecodeError:
+        raise ScheduleError(f"--from-profile {args.from_profile}: not a UTF-8 text file") from None
+    if not any(item.partition("=")[0].strip().lower() == "f" for item in text.split(",")):
+        raise ScheduleError(
+            f"--from-profile {args.from_profile}: holds no measured forward times (f=...); "
+            "write it with `pipetrain profile --costs-out FILE` or `pipetrain train --out DIR`"
+        )
     try:
         return Costs.parse(text)
     except ScheduleError as exc:

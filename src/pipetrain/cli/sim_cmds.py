@@ -63,7 +63,8 @@ def register(subparsers: Any) -> None:
     _add_costs_argument(
         cmp,
         "costs are for one rank's share of the model (a schedule with V stages per rank gets costs/V per stage, "
-        "so every row runs the same model)",
+        "so every row runs the same model); with any ':' per-stage value every number is per stage, plain ones "
+        "included, and the number of stages is fixed",
     )
     add_output_argument(cmp, "png", "write one PNG picture stacking every schedule's timeline")
     cmp.add_argument("--json", action="store_true", help="print the rows as JSON on stdout")
@@ -204,7 +205,8 @@ def _compare(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=1))
         return 0
     print(
-        f"{args.ranks} ranks, {args.microbatches} microbatches, costs {costs} per rank's share of the model"
+        f"{args.ranks} ranks, {args.microbatches} microbatches, costs {costs} "
+        + ("per stage" if costs.cut_into(2) is costs else "per rank's share of the model")
         + (f", {args.stages_per_rank} stages per rank" if args.stages_per_rank else "")
     )
     print(format_compare_table(rows))

@@ -38,8 +38,9 @@ def register(subparsers: Any) -> None:
         help="measure per-stage F, I, W, B and the message latency; write them as a costs file",
         description=(
             "Run a few training steps of the small GPT (as `pipetrain train` does, same options), measure every "
-            "stage's F, I, W and B and the latency of messages between ranks (medians over the measured steps), "
-            "and write them in --costs form, for `pipetrain plan --from-profile FILE`."
+            "stage's F, I, W and B and the latency of messages between ranks (medians over the first 3 steps, "
+            "or all but the last if --steps is under 4), and write them in --costs form, for "
+            "`pipetrain plan --from-profile FILE`."
         ),
     )
     _add_run_arguments(profile, steps=4)
@@ -64,9 +65,9 @@ def _add_run_arguments(train: Any, steps: int = _DEFAULTS["steps"]) -> None:
         "--schedule",
         default=_DEFAULTS["schedule"],
         metavar="NAME|FILE.csv|auto",
-        help="schedule name, a CSV/JSON schedule file, or auto: measure 3 steps of ZBVZeroBubble (or ZBH1 with "
-        "--stages-per-rank 1), plan for the measured costs within its memory, and train on with the plan "
-        "(default %(default)s)",
+        help="schedule name, a CSV/JSON schedule file, or auto: measure the first 3 steps (fewer if --steps is "
+        "under 4; never the last) of ZBVZeroBubble (or ZBH1 with --stages-per-rank 1), plan for the measured "
+        "costs within its memory, and train on with the plan (default %(default)s)",
     )
     train.add_argument(
         "--microbatches",
@@ -190,6 +191,15 @@ def _train(args: argparse.Namespace) -> int:
     )
     if args.costs_out is not None and args.steps < 2:
         raise PipelineError("profile needs --steps 2 at least (the last step is not among the measured ones)")
+    if args.costs_out is not None:  # found now, not after the steps it measures
+        folder = os.path.dirname(os.path.abspath(args.costs_out))
+        if os.path.isdir(args.costs_out) or not os.path.isdir(folder):
+            raise PipelineError(f"--costs-out {args.costs_out}: give a file in an existing directory")
+    if args.schedule.strip().lower() == "auto" and args.steps < 2:
+        raise PipelineError(
+            "--schedule auto needs --steps 2 at least: it measures the first steps (up to 3, never the last), "
+            "then trains on with the plan"
+        )
     if args.clip_grad_norm is not None and not args.clip_grad_norm > 0:
         raise PipelineError(f"--clip-grad-norm must be > 0, got {args.clip_grad_norm}")
     if args.batch_size < microbatches:
