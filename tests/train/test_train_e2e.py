@@ -57,6 +57,12 @@ def test_check_agrees_and_writes_timelines(tmp_path: Path) -> None:
     expected = sorted((r, str(a)) for r in range(2) for a in plan.actions[r] if a is not None)
     got = sorted((e.rank, e.action) for e in measured.events if e.kind in ("F", "B", "I", "W", "OVERLAP_F_B"))
     assert got == expected
+    # Ranks on one machine keep their true offsets: no forward starts before the forward it takes
+    # its input from, on the other rank, has ended (each rank's own barrier exit used to be its zero).
+    ends = {(e.stage, e.microbatch): e.end for e in measured.events if e.kind == "F"}
+    for e in measured.events:
+        if e.kind == "F" and e.stage > 0 and plan.stage_to_rank[e.stage] != plan.stage_to_rank[e.stage - 1]:
+            assert e.start >= ends[(e.stage - 1, e.microbatch)], e
     simulated = Timeline.from_json(out / "simulated_timeline.json")
     assert simulated.makespan > 0 and summary["simulated_step_s"] > 0
     for name in ("measured_timeline.png", "simulated_timeline.png", "measured_trace.json", "summary.md"):

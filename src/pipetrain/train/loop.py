@@ -361,27 +361,37 @@ def _gather_timeline(sched: Any, env: DistEnv, origin: float) -> Any:
     """Every rank's recorded events of the last step on one time axis, on every rank (None if not recorded).
 
     ``origin`` is this rank's ``perf_counter`` right after the barrier that started the step
-    together on all ranks; measuring from it puts events of different machines, whose clocks
-    do not agree, on one axis (to within the barrier's skew).
+    together on all ranks. Ranks on one machine share that clock, so they are measured from the
+    earliest of their origins and keep their true offsets (a message's latency is read across
+    ranks); machines, whose clocks do not agree, are put on one axis by their barrier exits (to
+    within the barrier's skew).
     """
+    import socket
+
     from pipetrain.plan.timeline import Timeline, TimelineEvent
 
     local = getattr(sched, "last_timeline", None)
     mine = None
+    relative = False
     if local is not None:
-        events = [e for e in local.events if e.rank == env.rank]
-        # Times on the perf_counter clock are made relative to the barrier; times that are
-        # already relative to the step's start (smaller than the barrier's clock reading) stay.
-        shift = origin if events and min(e.start for e in events) >= origin - 1.0 else 0.0
-        mine = [
-            TimelineEvent(e.rank, e.action, e.kind, e.stage, e.microbatch, e.start - shift, e.end - shift)
-            for e in events
-        ]
+        mine = [e for e in local.events if e.rank == env.rank]
+        # Times already relative to the step's start (smaller than the barrier's clock reading) stay.
+        relative = bool(mine) and min(e.start for e in mine) < origin - 1.0
     gathered: list[Any] = [None] * env.world_size
-    dist.all_gather_object(gathered, mine)
-    if any(part is None for part in gathered):
+    dist.all_gather_object(gathered, (socket.gethostname(), origin, relative, mine))
+    if any(part[3] is None for part in gathered):
         return None
-    return Timeline(env.world_size, [e for part in gathered for e in part], source="measured", unit="s")
+    host_origin: dict[str, float] = {}
+    for host, rank_origin, rank_relative, _ in gathered:
+        if not rank_relative:
+            host_origin[host] = min(host_origin.get(host, rank_origin), rank_origin)
+    events: list[TimelineEvent] = []
+    for host, _, rank_relative, part in gathered:
+        shift = 0.0 if rank_relative else host_origin[host]
+        events.extend(
+            TimelineEvent(e.rank, e.action, e.kind, e.stage, e.microbatch, e.start - shift, e.end - shift) for e in part
+        )
+    return Timeline(env.world_size, events, source="measured", unit="s")
 
 
 def reference_losses(
