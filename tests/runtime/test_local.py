@@ -94,6 +94,14 @@ def test_early_receives_are_refused_under_the_strict_model_with_the_reason() -> 
     prepared = prepare_for(schedule, {"recv_ahead": 2}, stages, 0, 4, "gloo")
     assert prepared.recv_ahead == 2 and prepared.matching == "gloo"
     assert prepare_for(schedule.lower(recv_ahead=2), {}, stages, 0, 4, "gloo").matching == "gloo"
+    with pytest.raises(PipelineError, match="recv_ahead must be an integer >= 0, got -1"):
+        prepare_for(schedule, {"recv_ahead": -1}, stages, 0, 0, "nccl")
+    with pytest.raises(PipelineError, match="recv_ahead moves receives: it needs comms=True"):
+        prepare_for(schedule, {"recv_ahead": 2, "comms": False}, stages, 0, 0)
+    # prepare_schedule alone keeps its meaning: early receives asked for are lowered in
+    from pipetrain.runtime import prepare_schedule
+
+    assert prepare_schedule(schedule, recv_ahead=2) == schedule.lower(recv_ahead=2)
 
 
 def test_errors_name_rank_step_and_action() -> None:

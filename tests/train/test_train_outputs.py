@@ -85,3 +85,23 @@ def test_summary_files_from_a_measured_step(tmp_path: Path) -> None:
     costs = Costs.parse((tmp_path / "costs.txt").read_text())
     assert costs.f == costs.b == (0.5, 0.5) and costs.comm == 0.0
     assert summary["costs"] == (tmp_path / "costs.txt").read_text().strip()
+
+
+def test_ranks_of_one_machine_share_the_timeline_zero_and_strangers_do_not() -> None:
+    """Ranks of one machine are measured from the earliest barrier exit among them (their clock is
+    one); a rank whose exit is far from it (another machine under the same name) from its own."""
+    from pipetrain.plan.timeline import TimelineEvent
+    from pipetrain.train.loop import on_one_axis
+
+    def event(rank: int, start: float) -> TimelineEvent:
+        return TimelineEvent(rank, f"{rank}F0", "F", rank, 0, start, start + 0.001)
+
+    parts = [
+        ("a/1", 100.0, False, [event(0, 100.0002)]),
+        ("a/1", 100.0003, False, [event(1, 100.0005)]),
+        ("a/1", 50_000.0, False, [event(2, 50_000.0001)]),  # same name, another clock
+        ("b/2", 7.0, True, [event(3, 0.25)]),  # already relative to the step's start
+    ]
+    starts = {e.rank: e.start for e in on_one_axis(parts)}
+    assert starts[0] == pytest.approx(0.0002, abs=1e-9) and starts[1] == pytest.approx(0.0005, abs=1e-9)
+    assert starts[2] == pytest.approx(0.0001, abs=1e-6) and starts[3] == 0.25

@@ -42,7 +42,13 @@ def register(subparsers: Any) -> None:
         "one value per stage, as measured)",
     )
     plan.add_argument("--time-limit", type=float, default=10.0, help="seconds the construction may search (default 10)")
-    plan.add_argument("--placement", choices=("loop", "v"), default=None, help="only this layout of 2 stages per rank")
+    plan.add_argument(
+        "--placement",
+        choices=("loop", "v"),
+        default=None,
+        help="only this layout: 2 stages per rank unless --stages-per-rank or per-stage costs say otherwise "
+        "(v needs 2)",
+    )
     plan.add_argument(
         "--memory-limit",
         type=float,

@@ -61,7 +61,11 @@ def _add_lowering_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--fsdp", action="store_true", help="lowered, with FSDP UNSHARD/RESHARD actions")
     parser.add_argument(
-        "--prefetch", type=int, default=None, help="with --fsdp: unshard this many compute actions ahead (default 1)"
+        "--prefetch",
+        type=int,
+        default=None,
+        help="with --fsdp: unshard up to this many compute actions ahead (default 1; later where "
+        "--max-unsharded leaves no room)",
     )
     parser.add_argument(
         "--max-unsharded",

@@ -247,8 +247,11 @@ def simulate(schedule: Schedule, costs: Costs | None = None, *, check: bool = Tr
     output.
     """
     with gc_paused():  # many small acyclic objects: the cyclic collector only costs time here
-        if check and check_structure(schedule):
-            validate(schedule, matching="gloo")
+        if check:
+            if schedule.is_lowered:
+                validate(schedule, matching="gloo")  # (its scan checks the structure too)
+            else:
+                check_structure(schedule)
         return _simulate(schedule, costs)
 
 

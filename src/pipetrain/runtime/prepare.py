@@ -78,11 +78,13 @@ def read_torch_csv(filename: str, format: str, n_microbatches: int, where: str =
     return schedule
 
 
-def prepare_schedule(schedule: Schedule, matching: str = "nccl", **lower_options: Any) -> Schedule:
+def prepare_schedule(schedule: Schedule, matching: str | None = None, **lower_options: Any) -> Schedule:
     """Validate (before any communication) and lower a compute-only schedule; check a lowered one
-    under ``matching``, the model of the backend that runs it (docs/semantics.md, "Matching")."""
+    under ``matching``, the model of the backend that runs it (docs/semantics.md, "Matching";
+    default: gloo's where ``recv_ahead`` asks for early receives, else the strict one)."""
     if not isinstance(schedule, Schedule):
         raise PipelineError(f"expected a pipetrain.plan.Schedule, got {type(schedule).__name__}")
+    matching = matching or ("gloo" if lower_options.get("recv_ahead") else "nccl")
     if lower_options.get("recv_ahead") and matching != "gloo":
         raise PipelineError(
             "recv_ahead (early receives) needs a backend that matches messages per peer and tag (gloo); "
@@ -169,6 +171,10 @@ def prepare_for(
     options = dict(lower_options)
     window = options.pop("recv_ahead", None)
     if window is not None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+            raise PipelineError(f"recv_ahead must be an integer >= 0, got {window!r}")
+        if window and options.get("comms") is False:
+            raise PipelineError("recv_ahead moves receives: it needs comms=True")
         recv_ahead = window
         matching = matching or ("gloo" if window else None)
     matching = matching or ("gloo" if recv_ahead else "nccl")

@@ -26,6 +26,7 @@ from pipetrain.errors import PipelineError
 from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.generators import build_schedule
 from pipetrain.plan.schedule import Schedule, is_schedule_file
+from pipetrain.plan.timeline import TimelineEvent
 from pipetrain.train.auto import (
     PROFILE_STEPS,
     is_auto,
@@ -366,9 +367,7 @@ def _gather_timeline(sched: Any, env: DistEnv, origin: float) -> Any:
     ranks); machines, whose clocks do not agree, are put on one axis by their barrier exits (to
     within the barrier's skew).
     """
-    import socket
-
-    from pipetrain.plan.timeline import Timeline, TimelineEvent
+    from pipetrain.plan.timeline import Timeline
 
     local = getattr(sched, "last_timeline", None)
     mine = None
@@ -378,20 +377,42 @@ def _gather_timeline(sched: Any, env: DistEnv, origin: float) -> Any:
         # Times already relative to the step's start (smaller than the barrier's clock reading) stay.
         relative = bool(mine) and min(e.start for e in mine) < origin - 1.0
     gathered: list[Any] = [None] * env.world_size
-    dist.all_gather_object(gathered, (socket.gethostname(), origin, relative, mine))
+    dist.all_gather_object(gathered, (_machine(), origin, relative, mine))
     if any(part[3] is None for part in gathered):
         return None
+    return Timeline(env.world_size, on_one_axis(gathered), source="measured", unit="s")
+
+
+def on_one_axis(parts: list[tuple[str, float, bool, list[TimelineEvent]]]) -> list[TimelineEvent]:
+    """Every rank's events from (machine, barrier exit, already relative, events): ranks of one
+    machine from the earliest exit among them, each other rank from its own (see _gather_timeline;
+    exits further apart than a second are not one clock, whatever the machine names say)."""
     host_origin: dict[str, float] = {}
-    for host, rank_origin, rank_relative, _ in gathered:
+    for host, rank_origin, rank_relative, _ in parts:
         if not rank_relative:
             host_origin[host] = min(host_origin.get(host, rank_origin), rank_origin)
     events: list[TimelineEvent] = []
-    for host, _, rank_relative, part in gathered:
+    for host, rank_origin, rank_relative, part in parts:
         shift = 0.0 if rank_relative else host_origin[host]
+        if not rank_relative and rank_origin - shift > 1.0:
+            shift = rank_origin
         events.extend(
             TimelineEvent(e.rank, e.action, e.kind, e.stage, e.microbatch, e.start - shift, e.end - shift) for e in part
         )
-    return Timeline(env.world_size, events, source="measured", unit="s")
+    return events
+
+
+def _machine() -> str:
+    """This machine, as far as its monotonic clock goes: host name and boot id (containers and
+    cloned images may share a host name)."""
+    import socket
+
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as handle:
+            boot = handle.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
 
 
 def reference_losses(
