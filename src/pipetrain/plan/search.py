@@ -68,7 +68,7 @@ def _fixed_stages(costs: Costs, num_ranks: int) -> int | None:
         raise ScheduleError(f"per-stage costs disagree on the number of stages: {sorted(lengths)}")
     (n,) = lengths
     if n % num_ranks:
-        raise ScheduleError(f"per-stage costs give {n} stages, not a multiple of num_ranks={num_ranks}")
+        raise ScheduleError(f"per-stage costs give {n} stages, which {num_ranks} ranks cannot share evenly")
     return n // num_ranks
 
 
@@ -141,7 +141,10 @@ def _pairs(
     """The (schedule name, stages per rank) to try, in the order to try them."""
     fixed = _fixed_stages(costs, num_ranks)
     if stages_per_rank is not None and fixed is not None and stages_per_rank != fixed:
-        raise ScheduleError(f"stages_per_rank={stages_per_rank} contradicts the {fixed * num_ranks} per-stage costs")
+        raise ScheduleError(
+            f"stages per rank: {stages_per_rank} asked for, but the {fixed * num_ranks} per-stage costs make "
+            f"{fixed} on {num_ranks} ranks"
+        )
     choices = [fixed or stages_per_rank] if (fixed or stages_per_rank) else list(range(1, _MAX_STAGES_PER_RANK + 1))
     wanted = [family(n).name for n in listed] if listed is not None else schedule_names()
     pairs = [(n, v) for n in dict.fromkeys(wanted) if n != "ForwardOnly" for v in choices if v is not None]
