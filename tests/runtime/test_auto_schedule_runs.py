@@ -7,10 +7,9 @@ each process alike (the search is deterministic for a seed), and run by Pipeline
 from __future__ import annotations
 
 import pytest
-import torch
 
 from support.dist import run_ranks
-from support.models import make_batch, make_layers, reference
+from support.models import train_csv_schedule
 
 pytestmark = pytest.mark.slow
 
@@ -25,27 +24,7 @@ def _plan(world: int, m: int, placement: str) -> object:
 
 
 def _train(rank: int, world: int, m: int, csv: str) -> list[str]:
-    from torch import nn
-
-    from pipetrain import PipelineScheduleRuntime, PipelineStage
-    from pipetrain.plan import Schedule
-
-    schedule = Schedule.from_csv(csv)
-    num_stages = schedule.num_stages
-    layers = make_layers("mlp", num_stages)
-    x, y = make_batch("mlp", 2 * m)
-    ref_layers, ref_losses, _ = reference(layers, x, y, m)
-    mine = [s for s, r in schedule.stage_to_rank.items() if r == rank]
-    stages = [PipelineStage(layers[s], s, num_stages, "cpu") for s in mine]
-    runtime = PipelineScheduleRuntime(stages, schedule, loss_fn=nn.functional.mse_loss)
-    losses: list[torch.Tensor] = []
-    runtime.step(*((x,) if 0 in mine else ()), target=y if num_stages - 1 in mine else None, losses=losses)
-    for s in mine:
-        for p, q in zip(layers[s].parameters(), ref_layers[s].parameters(), strict=True):
-            torch.testing.assert_close(p.grad, q.grad, msg=lambda e, s=s: f"rank {rank} stage {s}: {e}")
-    if num_stages - 1 in mine:
-        torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses))
-    return [f"rank {rank}: stages {mine}"]
+    return [f"rank {rank}: stages {train_csv_schedule(rank, csv)}"]
 
 
 @pytest.mark.parametrize(("world", "placement"), [(2, "v"), (4, "loop")])

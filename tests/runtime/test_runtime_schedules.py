@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from support.dist import run_ranks
-from support.models import make_batch, make_layers, reference, stages_per_rank
+from support.models import make_batch, make_layers, reference, stages_per_rank, train_csv_schedule
 
 pytestmark = pytest.mark.slow
 
@@ -86,27 +86,8 @@ def test_every_schedule_with_a_bounded_receive_window(ahead: str, monkeypatch: p
 def _train_lowered(rank: int, world: int, csv: str, window: str) -> str:
     import os
 
-    from torch import nn
-
-    from pipetrain import PipelineScheduleRuntime, PipelineStage
-    from pipetrain.plan import Schedule
-
     os.environ["PIPETRAIN_RECV_AHEAD"] = window
-    schedule = Schedule.from_csv(csv)
-    m, num_stages = schedule.num_microbatches, schedule.num_stages
-    layers = make_layers("mlp", num_stages)
-    x, y = make_batch("mlp", 2 * m)
-    ref_layers, ref_losses, _ = reference(layers, x, y, m)
-    mine = [s for s, r in schedule.stage_to_rank.items() if r == rank]
-    stages = [PipelineStage(layers[s], s, num_stages, "cpu") for s in mine]
-    runtime = PipelineScheduleRuntime(stages, schedule, loss_fn=nn.functional.mse_loss)
-    losses: list[torch.Tensor] = []
-    runtime.step(*((x,) if 0 in mine else ()), target=y if num_stages - 1 in mine else None, losses=losses)
-    for s in mine:
-        for p, q in zip(layers[s].parameters(), ref_layers[s].parameters(), strict=True):
-            torch.testing.assert_close(p.grad, q.grad, msg=lambda e, s=s: f"rank {rank} stage {s}: {e}")
-    if num_stages - 1 in mine:
-        torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses))
+    train_csv_schedule(rank, csv)
     return f"rank {rank}"
 
 

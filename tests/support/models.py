@@ -62,6 +62,28 @@ def assert_grads_equal(stages: Mapping[int, nn.Module], ref: Sequence[nn.Module]
             torch.testing.assert_close(p.grad, q.grad, msg=lambda e, n=f"{case}: stage {s} {name}": f"{n}: {e}")
 
 
+def train_csv_schedule(rank: int, csv: str) -> list[int]:
+    """On a spawned gloo rank: one step of the schedule in ``csv`` (mlp stages) through
+    PipelineScheduleRuntime, checked against plain training (gradients, losses); this rank's stages."""
+    from pipetrain import PipelineScheduleRuntime, PipelineStage
+    from pipetrain.plan import Schedule
+
+    schedule = Schedule.from_csv(csv)
+    m, num_stages = schedule.num_microbatches, schedule.num_stages
+    layers = make_layers("mlp", num_stages)
+    x, y = make_batch("mlp", 2 * m)
+    ref_layers, ref_losses, _ = reference(layers, x, y, m)
+    mine = [s for s, r in schedule.stage_to_rank.items() if r == rank]
+    stages = [PipelineStage(layers[s], s, num_stages, "cpu") for s in mine]
+    runtime = PipelineScheduleRuntime(stages, schedule, loss_fn=nn.functional.mse_loss)
+    losses: list[torch.Tensor] = []
+    runtime.step(*((x,) if 0 in mine else ()), target=y if num_stages - 1 in mine else None, losses=losses)
+    assert_grads_equal({s: layers[s] for s in mine}, ref_layers, f"rank {rank}")
+    if num_stages - 1 in mine:
+        torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses))
+    return mine
+
+
 class Explodes(nn.Module):
     """A module with a bug: its forward raises on call number ``fail_on`` (counting from 0)."""
 

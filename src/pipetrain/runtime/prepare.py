@@ -38,6 +38,11 @@ __all__ = [
 # 2 gloo ranks (benchmarks/runtime_vs_torch.py), 4 ahead was as fast as all of them at once.
 DEFAULT_RECV_AHEAD = 4
 
+_EARLY_NEEDS_GLOO = (
+    "recv_ahead (early receives) needs a backend that matches messages per peer and tag (gloo); "
+    "this one pairs them in posting order"
+)
+
 
 def recv_window(value: int | None) -> int:
     """The receive window: ``value``, else ``PIPETRAIN_RECV_AHEAD``, else :data:`DEFAULT_RECV_AHEAD`."""
@@ -86,10 +91,7 @@ def prepare_schedule(schedule: Schedule, matching: str | None = None, **lower_op
         raise PipelineError(f"expected a pipetrain.plan.Schedule, got {type(schedule).__name__}")
     matching = matching or ("gloo" if lower_options.get("recv_ahead") else "nccl")
     if lower_options.get("recv_ahead") and matching != "gloo":
-        raise PipelineError(
-            "recv_ahead (early receives) needs a backend that matches messages per peer and tag (gloo); "
-            "this one pairs them in posting order"
-        )
+        raise PipelineError(_EARLY_NEEDS_GLOO)
     try:
         if schedule.is_lowered:
             _check_runs(schedule, matching)
@@ -179,10 +181,7 @@ def prepare_for(
         matching = matching or ("gloo" if window else None)
     matching = matching or ("gloo" if recv_ahead else "nccl")
     if recv_ahead and matching != "gloo":
-        raise PipelineError(
-            f"rank {rank}: recv_ahead (early receives) needs a backend that matches messages per peer and tag "
-            "(gloo); this one pairs them in posting order"
-        )
+        raise PipelineError(f"rank {rank}: {_EARLY_NEEDS_GLOO}")
     base = prepare_schedule(schedule, matching, **options)
     try:
         base = with_grad_reduction(base, stages, rank)
