@@ -6,9 +6,9 @@ model; steady-state steps run under ``torch.cuda.set_sync_debug_mode("error")`` 
 synchronisation raises), then a step with a new sequence length; step time beside plain,
 non-pipelined training. With two or more GPUs, also: every schedule on 2 ranks over NCCL
 (gradients, zero counted host reads after the first step, no synchronisation in steady state,
-sequence lengths changing between steps), then ``benchmarks/runtime_vs_torch.py --device cuda``
-beside torch.distributed.pipelining. Exits 0 when every check passed, 1 when one failed, 2 when
-there is no GPU to check.
+sequence lengths changing between steps). Then ``benchmarks/runtime_vs_torch.py --device cuda``
+beside torch.distributed.pipelining: on 2 NCCL ranks, or with one GPU on one rank holding every
+stage. Exits 0 when every check passed, 1 when one failed, 2 when there is no GPU to check.
 
     python benchmarks/gpu_check.py [--steps 20] [--schedules GPipe,1F1B] [--skip-bench]
 
@@ -350,7 +350,7 @@ def main() -> int:
             print(f"  {label:<36} {ours:12.2f} {theirs:9.2f} {ours / theirs:6.2f}")
     gpus = torch.cuda.device_count() if device.type == "cuda" else opts.world
     if gpus < 2:
-        print("\nonly one GPU: the NCCL checks and runtime_vs_torch.py need two (skipped)")
+        print("\nonly one GPU: the NCCL checks between ranks need two (skipped)")
     else:
         world = min(opts.world, gpus)
         transport = "NCCL" if device.type == "cuda" else "gloo, order-only matching as NCCL"
@@ -360,12 +360,14 @@ def main() -> int:
         except Exception as err:
             print(f"\n{world} ranks over {transport}: FAILED\n{err}")
             ok = False
-        if not opts.skip_bench and device.type == "cuda":
-            bench = Path(__file__).with_name("runtime_vs_torch.py")
-            print("\nbenchmarks/runtime_vs_torch.py --device cuda (pipetrain beside torch.distributed.pipelining):")
-            sys.stdout.flush()
-            done = subprocess.run([sys.executable, str(bench), "--device", "cuda", "--steps", str(opts.steps)])
-            ok = ok and done.returncode == 0
+    if not opts.skip_bench and device.type == "cuda":
+        ranks = "2" if gpus >= 2 else "1"  # one GPU: one process holds every stage, in both libraries
+        bench = Path(__file__).with_name("runtime_vs_torch.py")
+        print(f"\nbenchmarks/runtime_vs_torch.py --device cuda --ranks {ranks} (beside torch.distributed.pipelining):")
+        sys.stdout.flush()
+        args = ["--device", "cuda", "--ranks", ranks, "--steps", str(opts.steps)]
+        done = subprocess.run([sys.executable, str(bench), *args], check=False)
+        ok = ok and done.returncode == 0
     print(f"\ngpu-check: {'every check passed' if ok else 'FAILED (see above)'}")
     return 0 if ok else 1
 

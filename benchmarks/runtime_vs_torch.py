@@ -1,14 +1,15 @@
 """Step time of pipetrain beside torch.distributed.pipelining: same schedule, model and ranks.
 
-Two gloo ranks on 127.0.0.1, one thread each. For each schedule and model size the two runtimes
+Two gloo ranks on 127.0.0.1 (or ``--ranks 1``: one process holding every stage), one thread each. For each schedule and model size the two runtimes
 get identical copies of the model and the same batch, and their steps alternate in one run (so
 machine noise hits both alike). Prints the median step time of each, the ratio
 pipetrain / torch (below 1 means pipetrain is faster) and the same ratio of CPU time per step
 (all threads of the process), which a busy machine disturbs less than wall-clock time.
 
-    python benchmarks/runtime_vs_torch.py [--steps 40] [--warmup 5] [--device cuda]
+    python benchmarks/runtime_vs_torch.py [--steps 40] [--warmup 5] [--device cuda] [--ranks 1]
 
-``--device cuda``: NCCL, rank r on GPU r (two GPUs), each step timed to the GPUs' end.
+``--device cuda``: NCCL, rank r on GPU r, each step timed to the GPUs' end; it adds the model
+"huge", compute-bound on a GPU (the others are overhead-bound there). ``--ranks 1`` needs one GPU.
 """
 
 from __future__ import annotations
@@ -24,11 +25,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from _two_ranks import run_on_two_ranks
+from _two_ranks import run_on_ranks
 
 SCHEDULES = {"1F1B": 1, "Interleaved1F1B": 2, "ZBVZeroBubble": 2}
 # name: (width, layers per stage, batch, microbatches)
-MODELS = {"small (overhead-bound)": (16, 1, 16, 8), "large (compute-bound)": (512, 4, 256, 8)}
+MODELS = {
+    "small (overhead-bound)": (16, 1, 16, 8),
+    "large (compute-bound)": (512, 4, 256, 8),
+    "huge (GPU compute-bound)": (4096, 4, 4096, 8),
+}
 
 
 def _layers(width: int, per_stage: int, num_stages: int) -> list[nn.Module]:
@@ -135,21 +140,24 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated subset")
-    parser.add_argument("--models", default="small,large", help="small, large or both")
-    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: NCCL on GPUs 0 and 1")
+    parser.add_argument("--models", default="", help="small, large, huge (default: small,large; on cuda all three)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: NCCL, rank r on GPU r")
+    parser.add_argument("--ranks", type=int, default=2, choices=(1, 2), help="1: one process holds every stage")
     opts = parser.parse_args()
+    opts.models = opts.models or ("small,large,huge" if opts.device == "cuda" else "small,large")
     for key in list(SCHEDULES):
         if key not in opts.schedules.split(","):
             del SCHEDULES[key]
     for key in list(MODELS):
         if key.split()[0] not in opts.models.split(","):
             del MODELS[key]
-    if opts.device == "cuda" and torch.cuda.device_count() < 2:
-        raise SystemExit("runtime_vs_torch.py --device cuda needs 2 GPUs")
-    rows = run_on_two_ranks(_bench, 2, opts.steps, opts.warmup, SCHEDULES, MODELS, opts.device)
-    where = "NCCL, 2 GPUs" if opts.device == "cuda" else "gloo, 2 CPU processes"
+    if opts.device == "cuda" and torch.cuda.device_count() < opts.ranks:
+        raise SystemExit(f"runtime_vs_torch.py --device cuda --ranks {opts.ranks} needs {opts.ranks} GPUs")
+    world = opts.ranks
+    rows = run_on_ranks(_bench, world, world, opts.steps, opts.warmup, SCHEDULES, MODELS, opts.device)
+    where = f"NCCL, {world} GPU{'s' * (world > 1)}" if opts.device == "cuda" else f"gloo, {world} CPU processes"
     print(
-        f"median step time (wall clock) and CPU time per step, max over the 2 ranks ({where}); "
+        f"median step time (wall clock) and CPU time per step, max over the {world} rank(s) ({where}); "
         "ratio = pipetrain / torch"
     )
     print(f"{'model':<24} {'schedule':<16} {'torch ms':>9} {'pipetrain ms':>13} {'ratio':>6} {'cpu ratio':>10}")
