@@ -107,3 +107,15 @@ def _dp_cases(rank: int, world: int) -> list[str]:
 def test_pipeline_times_data_parallel_matches_plain_data_parallel() -> None:
     results = run_ranks(_dp_cases, 4, timeout=240)
     assert all(len(r) == 5 for r in results), results
+
+
+def test_fsdp_param_groups_reads_each_torch_layout() -> None:
+    """torch 2.13 keeps a list of parameter groups per FSDP state, torch 2.11 one group or None
+    (REDUCE_GRAD failed on 2.11 before: seen on a GPU machine's torch)."""
+    from types import SimpleNamespace
+
+    from pipetrain.runtime.data_parallel import fsdp_param_groups
+
+    assert fsdp_param_groups(SimpleNamespace(_fsdp_param_groups=("a", "b"))) == ["a", "b"]
+    assert fsdp_param_groups(SimpleNamespace(_fsdp_param_group="a")) == ["a"]
+    assert fsdp_param_groups(SimpleNamespace(_fsdp_param_group=None)) == []

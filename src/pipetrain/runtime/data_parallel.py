@@ -94,6 +94,15 @@ def hold_grad_sync(stage: PipelineStage) -> None:
     _sync(stage.submodule, dp_kind(stage.submodule), False)
 
 
+def fsdp_param_groups(state: Any) -> list[Any]:
+    """One FSDP state's parameter groups: torch 2.13 keeps a list, torch 2.11 at most one group."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
+
+
 def reduce_grad(stage: PipelineStage) -> None:
     """REDUCE_GRAD: the one data-parallel gradient reduction of the step for this stage."""
     module: Any = stage.submodule
@@ -105,7 +114,7 @@ def reduce_grad(stage: PipelineStage) -> None:
         # torch adds fully_shard.state through a decorator its stubs do not show
         state = fully_shard.state(module)  # type: ignore[attr-defined]
         for sub in state._state_ctx.all_states:
-            for group in sub._fsdp_param_groups:
+            for group in fsdp_param_groups(sub):
                 group.post_backward()  # reduce-scatter what the microbatches accumulated
         state._root_post_backward_final_callback()
     elif kind == "ddp":
