@@ -15,6 +15,12 @@ from support.dist import run_ranks
 pytestmark = pytest.mark.slow
 WIDTH = 4
 M = 4
+# torch 2.11's own ScheduleZBVZeroBubble fails its first step on 2 gloo ranks by itself ("Pair is
+# not connected" in its shape inference; seen on a GPU machine, no pipetrain involved); 2.13's runs.
+# There the comparison has no reference, so it covers the other schedules.
+KEYWORD_CASES = (("1F1B", 1), ("Interleaved1F1B", 2)) + (
+    (("ZBVZeroBubble", 2),) if torch.__version__ >= (2, 13) else ()
+)
 
 
 class Scaled(nn.Module):
@@ -38,7 +44,7 @@ def _keywords_on_every_rank(rank: int, world: int) -> list[str]:
     x, y = torch.randn(8, WIDTH, generator=g), torch.randn(8, WIDTH, generator=g)
     scale = torch.rand(8, 1, generator=g) + 0.5
     checked = []
-    for name, v in (("1F1B", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2)):
+    for name, v in KEYWORD_CASES:
         num_stages = world * v
         torch.manual_seed(0)
         blocks = [Scaled() for _ in range(num_stages)]
@@ -67,7 +73,7 @@ def _keywords_on_every_rank(rank: int, world: int) -> list[str]:
 
 
 def test_step_keywords_reach_every_stage_of_the_rank_as_in_torch() -> None:
-    assert run_ranks(_keywords_on_every_rank, 2) == [["1F1B", "Interleaved1F1B", "ZBVZeroBubble"]] * 2
+    assert run_ranks(_keywords_on_every_rank, 2) == [[name for name, _ in KEYWORD_CASES]] * 2
 
 
 def _csv_route(rank: int, world: int, directory: str) -> list[str]:
