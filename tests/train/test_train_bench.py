@@ -51,3 +51,25 @@ def test_torch_orders_load_as_pipetrain_schedules() -> None:
     zbv = schedule_quality.torch_order("ZBVZeroBubble", 2, 4, 2)
     assert zbv is not None and zbv.stage_to_rank == {0: 0, 1: 1, 2: 1, 3: 0}
     assert {a.kind.value for a in zbv.iter_actions() if a} == {"F", "I", "W"}
+
+
+@pytest.mark.torch_interop
+@pytest.mark.slow
+def test_runtime_vs_torch_on_one_rank_holding_every_stage() -> None:
+    """What gpu_check runs with one GPU (``--ranks 1``), here on the CPU: both runtimes, a row each."""
+    import subprocess
+    import sys
+
+    args = ["--ranks", "1", "--models", "small", "--steps", "2", "--warmup", "1"]
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "runtime_vs_torch.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "max over the 1 rank(s) (gloo, 1 CPU process)" in done.stdout
+    rows = [line.split() for line in done.stdout.splitlines() if line.startswith("small")]
+    assert [row[2] for row in rows] == ["1F1B", "Interleaved1F1B", "ZBVZeroBubble"], done.stdout
+    assert all(float(row[-2]) > 0 for row in rows)  # a ratio of two measured times
