@@ -155,7 +155,11 @@ def main() -> None:
         raise SystemExit(f"runtime_vs_torch.py --device cuda --ranks {opts.ranks} needs {opts.ranks} GPUs")
     world = opts.ranks
     rows = run_on_ranks(_bench, world, world, opts.steps, opts.warmup, SCHEDULES, MODELS, opts.device)
-    where = f"NCCL, {world} GPU{'s' * (world > 1)}" if opts.device == "cuda" else f"gloo, {world} CPU process{'es' * (world > 1)}"
+    where = (
+        f"NCCL, {world} GPU{'s' * (world > 1)}"
+        if opts.device == "cuda"
+        else f"gloo, {world} CPU process{'es' * (world > 1)}"
+    )
     print(
         f"median step time (wall clock) and CPU time per step, max over the {world} rank(s) ({where}); "
         "ratio = pipetrain / torch"
