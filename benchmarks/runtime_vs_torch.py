@@ -1,15 +1,19 @@
 """Step time of pipetrain beside torch.distributed.pipelining: same schedule, model and ranks.
 
-Two gloo ranks on 127.0.0.1 (or ``--ranks 1``: one process holding every stage), one thread each. For each schedule and model size the two runtimes
-get identical copies of the model and the same batch, and their steps alternate in one run (so
-machine noise hits both alike). Prints the median step time of each, the ratio
-pipetrain / torch (below 1 means pipetrain is faster) and the same ratio of CPU time per step
-(all threads of the process), which a busy machine disturbs less than wall-clock time.
+Two gloo ranks on 127.0.0.1 (or ``--ranks 1``: one process holding every stage), one thread each.
+For each schedule and model size the two runtimes get identical copies of the model and the same
+batch, and their steps alternate in one run (so machine noise hits both alike). Prints the median
+step time of each, the ratio pipetrain / torch (below 1 means pipetrain is faster) and the same
+ratio of CPU time per step (all threads of the process), which a busy machine disturbs less than
+wall-clock time.
 
     python benchmarks/runtime_vs_torch.py [--steps 40] [--warmup 5] [--device cuda] [--ranks 1]
 
-``--device cuda``: NCCL, rank r on GPU r, each step timed to the GPUs' end; it adds the model
-"huge", compute-bound on a GPU (the others are overhead-bound there). ``--ranks 1`` needs one GPU.
+``--device cuda``: NCCL, rank r on GPU r (``--ranks N`` needs N GPUs), each step timed to the
+GPUs' end; it adds the model "huge", compute-bound on a GPU (the others are overhead-bound there).
+On gloo before torch 2.13, torch's own multi-stage schedules fail where two neighbouring stages
+share a rank (its first step sends between them, and gloo cannot send to its own rank): ZBV on 2
+ranks, every multi-stage schedule on 1.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ SCHEDULES = {"1F1B": 1, "Interleaved1F1B": 2, "ZBVZeroBubble": 2}
 # name: (width, layers per stage, batch, microbatches)
 MODELS = {
     "small (overhead-bound)": (16, 1, 16, 8),
-    "large (compute-bound)": (512, 4, 256, 8),
+    "large (compute-bound on CPUs)": (512, 4, 256, 8),
     "huge (GPU compute-bound)": (4096, 4, 4096, 8),
 }
 

@@ -15,9 +15,10 @@ from support.dist import run_ranks
 pytestmark = pytest.mark.slow
 WIDTH = 4
 M = 4
-# torch 2.11's own ScheduleZBVZeroBubble fails its first step on 2 gloo ranks by itself ("Pair is
-# not connected" in its shape inference; seen on a GPU machine, no pipetrain involved); 2.13's runs.
-# There the comparison has no reference, so it covers the other schedules.
+# torch 2.11's own ScheduleZBVZeroBubble fails its first step on 2 gloo ranks by itself (seen on a
+# GPU machine, no pipetrain involved): that step sends between neighbouring stages even where one
+# rank holds both (ZBV's stages 1 and 2), and gloo cannot send to its own rank ("Pair is not
+# connected"). 2.13 skips such pairs. Before 2.13 the comparison has no ZBV reference.
 KEYWORD_CASES = (("1F1B", 1), ("Interleaved1F1B", 2)) + (
     (("ZBVZeroBubble", 2),) if torch.__version__ >= (2, 13) else ()
 )
