@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import itertools
 import os
 import socket
 import statistics
@@ -164,18 +165,11 @@ def _check_steps(
 
 # ----------------------------------------------------------------------------- one device
 def _one_device(device: torch.device, names: list[str], steps: int) -> list[tuple[str, dict[str, str], float, float]]:
-    import torch.distributed as dist
-
     from pipetrain import LocalPipeline, PipelineStage, get_schedule_class
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     rows = []
     loss_fn = nn.functional.mse_loss
-    try:
+    with _one_rank_group(device):
         for name in names:
             for runner in ("runtime", "LocalPipeline"):
                 v = MULTI_STAGE.get(name, 1)
@@ -214,9 +208,63 @@ def _one_device(device: torch.device, names: list[str], steps: int) -> list[tupl
                 ours = _median_ms(lambda x=x, y=y, step=step: step(x, y), device, steps)
                 theirs = _median_ms(plain_step, device, steps)
                 rows.append((label, result, ours, theirs))
+    return rows
+
+
+@contextlib.contextmanager
+def _one_rank_group(device: torch.device) -> Iterator[None]:
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
     finally:
         dist.destroy_process_group()
-    return rows
+
+
+def _device_timing(device: torch.device, width: int = 4096, batch: int = 4096) -> tuple[dict[str, str], str]:
+    """A GPU-bound ZBV step on one rank, timed on the host and then on the device (``device_timing``):
+    device-timed compute must fill the step, in program order without overlap; host-timed compute
+    is the launches. Returns the checks and a line of figures."""
+    from pipetrain import PipelineStage, ScheduleZBVZeroBubble
+
+    torch.manual_seed(0)
+    mods = [nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width)).to(device) for _ in range(2)]
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(batch, width, generator=g).to(device), torch.randn(batch, width, generator=g).to(device)
+    busy: dict[bool, float] = {}
+    wall: dict[bool, float] = {}
+    out: dict[str, str] = {}
+    with _one_rank_group(device):
+        stages = [PipelineStage(m, i, 2, device) for i, m in enumerate(mods)]
+        sched = ScheduleZBVZeroBubble(stages, 4, loss_fn=nn.functional.mse_loss)
+        for on in (False, True):
+            sched.device_timing = on
+            sched.step(x, target=y)  # warm-up
+            _sync(device)
+            t0 = time.perf_counter()
+            sched.step(x, target=y)
+            timeline = sched.last_timeline
+            _sync(device)
+            wall[on] = time.perf_counter() - t0
+            assert timeline is not None
+            boxes = sorted((e.start, e.end) for e in timeline.events if e.kind in ("F", "B", "I", "W"))
+            busy[on] = sum(end - start for start, end in boxes)
+            if on:
+                overlaps = sum(1 for a, b in itertools.pairwise(boxes) if b[0] < a[1] - 1e-6)
+                out["device-timed compute in order"] = "" if overlaps == 0 else f"{overlaps} boxes overlap"
+    share = busy[True] / wall[True]
+    out["device-timed compute fills the step"] = "" if 0.8 <= share <= 1.05 else f"it covers {share:.0%} of the step"
+    line = (
+        f"GPU-bound ZBV step (1 rank, width {width}): host-timed compute {busy[False] * 1e3:.1f} ms of "
+        f"{wall[False] * 1e3:.1f} ms ({busy[False] / wall[False]:.0%}); device-timed {busy[True] * 1e3:.1f} ms of "
+        f"{wall[True] * 1e3:.1f} ms ({share:.0%})"
+    )
+    return out, line
 
 
 # ----------------------------------------------------------------------------- NCCL ranks
@@ -344,6 +392,10 @@ def main() -> int:
         print(f"gpu-check: {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
     rows = _one_device(device, names, opts.steps)
     ok = _report(f"one {device.type} device: every schedule, all stages on it", [(r[0], r[1]) for r in rows])
+    if device.type == "cuda":
+        checks, line = _device_timing(device)
+        ok = _report("device timing (sched.device_timing = True)", [("ZBVZeroBubble", checks)]) and ok
+        print(f"  {line}")
     print(f"\n  {'step time':<36} {'pipetrain ms':>12} {'plain ms':>9} {'ratio':>6}")
     for label, _, ours, theirs in rows:
         if ours == ours:  # not NaN (ForwardOnly has no training step)

@@ -4,6 +4,7 @@ not inside the waiting action's box (so measured costs are not inflated by the p
 from __future__ import annotations
 
 import time
+from typing import ClassVar
 
 import pytest
 import torch
@@ -43,3 +44,76 @@ def test_a_wait_for_the_peer_is_not_counted_as_compute() -> None:
     events = run_ranks(_run, 2)[1]
     forward = next((start, end) for label, start, end in events if label == "1F0")
     assert forward[1] - forward[0] < _SLEEP / 2, events  # rank 0's 0.3 s forward is a gap on rank 1
+
+
+class _StandInClock:
+    """A device clock for the CPU: each mark reads as 1 s plus a millisecond per mark made."""
+
+    made: ClassVar[list[_StandInClock]] = []
+
+    def __init__(self, device: torch.device) -> None:
+        self.starts = 0
+        self.reads = 0
+        self.marks = 0
+        _StandInClock.made.append(self)
+
+    def start(self) -> None:
+        self.starts += 1
+
+    def mark(self) -> int:
+        self.marks += 1
+        return self.marks
+
+    def read(self, marks: list[int]) -> list[int]:
+        self.reads += 1
+        return [10**9 + k * 10**6 for k in marks]
+
+
+def _device_timed(rank: int, world: int) -> dict[str, object]:
+    from pipetrain import PipelineStage, ScheduleZBVZeroBubble
+    from pipetrain.runtime import device_timing
+
+    device_timing._CLOCKS["cpu"] = _StandInClock
+    torch.manual_seed(0)
+    mine = [rank, 2 * world - 1 - rank]
+    stages = [PipelineStage(torch.nn.Linear(4, 4), s, 2 * world, "cpu") for s in mine]
+    sched = ScheduleZBVZeroBubble(stages, 4, loss_fn=torch.nn.functional.mse_loss)
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+
+    def step() -> None:
+        sched.step(*((x,) if rank == 0 else ()), target=y if rank == 0 else None)
+
+    step()
+    host = sched.last_timeline
+    assert host is not None and not _StandInClock.made  # off by default: no clock, host times
+    sched.device_timing = True
+    step()
+    clock = _StandInClock.made[-1]
+    first = sched.last_timeline
+    again = sched.last_timeline
+    assert first is not None and again is not None
+    compute = [e for e in first.events if e.kind in ("F", "I", "W", "B")]
+    comm = [e for e in first.events if e.kind not in ("F", "I", "W", "B")]
+    sched.device_timing = False
+    step()
+    return {
+        "compute": [(e.start, e.end) for e in compute],
+        "comm_starts": [e.start for e in comm],
+        "again": [(e.start, e.end) for e in again.events] == [(e.start, e.end) for e in first.events],
+        "starts_reads_marks": (clock.starts, clock.reads, clock.marks),
+        "clocks_made": len(_StandInClock.made),
+    }
+
+
+def test_device_timing_times_compute_with_the_device_clock_only_when_asked() -> None:
+    """With ``device_timing`` on, each compute action's box is read from its two marks on the device
+    (here a stand-in clock on the CPU); SEND/RECV keep the host's times; the marks are read once,
+    when the timeline is first built; the next step without it makes no clock."""
+    for out in run_ranks(_device_timed, 2):
+        compute = out["compute"]
+        # 2 stages × 4 microbatches × F, I, W on each rank: marks 1..24, two per action, in order.
+        assert compute == [(1 + (2 * k + 1) / 1000, 1 + (2 * k + 2) / 1000) for k in range(24)], compute
+        assert all(start > 100 for start in out["comm_starts"])  # the host's perf_counter, not 1 s
+        assert out["again"] is True
+        assert out["starts_reads_marks"] == (1, 1, 48)
+        assert out["clocks_made"] == 1

@@ -13,6 +13,7 @@ from pipetrain.errors import PipelineError
 from pipetrain.plan import Action, Schedule
 from pipetrain.plan.timeline import Timeline, TimelineEvent
 from pipetrain.runtime.data_parallel import default_lowering, dp_kind, hold_grad_sync
+from pipetrain.runtime.device_timing import DeviceClock, device_clock, on_device_times
 from pipetrain.runtime.driver import Events, StepDriver, events_timeline
 from pipetrain.runtime.executor import LossFn, RankExecutor, StepData
 from pipetrain.runtime.failures import (
@@ -134,7 +135,12 @@ class PipelineScheduleRuntime(StepDriver):
                 self._transport.poison(self._executor.unsent())
             raise
         self.n_microbatches = self.schedule.num_microbatches
-        self._last: tuple[list[tuple[Action, int, int]], int, Schedule] | None = None
+        # (events, their device marks, the clock that reads them, step index, schedule)
+        self._last: tuple[list[tuple[Action, int, int]], list[Any], DeviceClock | None, int, Schedule] | None = None
+        self.device_timing = False
+        """On a GPU, time each compute action of the next steps on the device (CUDA events) instead of
+        its launch on the host, for ``last_timeline``: costs a synchronisation at each step's start and
+        one when the timeline is read (see :mod:`pipetrain.runtime.device_timing`). No effect on the CPU."""
 
     @property
     def _held(self) -> list[int]:
@@ -295,7 +301,8 @@ class PipelineScheduleRuntime(StepDriver):
             raise AssertionError("unreachable") from exc  # _fail always raises
         finally:
             self._waiter.watch = False
-            self._last = (executor.events, step_index, prepared.schedule)  # a timeline is built on demand
+            # A timeline is built on demand (steps stay cheap), device times read then.
+            self._last = (executor.events, executor.timed, executor.clock, step_index, prepared.schedule)
             executor.clear()
 
     def _execute(self, prepared: Prepared, data: StepData) -> RankExecutor | None:
@@ -303,6 +310,7 @@ class PipelineScheduleRuntime(StepDriver):
             for st in self._dp_stages:
                 hold_grad_sync(st)
         executor = self._executor
+        executor.clock = device_clock(self._stage_list[0].device) if self.device_timing else None
         for _ in executor.run(prepared.program(self.rank), data):  # pragma: no cover - waits block instead
             pass
         self._transport.finish()
@@ -338,7 +346,10 @@ class PipelineScheduleRuntime(StepDriver):
         """When each action of the last step ran on this rank (built on demand: steps stay cheap)."""
         if self._last is None:
             return None
-        raw, step_index, schedule = self._last
+        raw, timed, clock, step_index, schedule = self._last
+        if clock is not None:
+            raw = on_device_times(raw, timed, clock)
+            self._last = (raw, [], None, step_index, schedule)  # read once
         events: Events = [(self.rank, a, t0, t1) for a, t0, t1 in raw]
         return events_timeline(events, schedule, f"{schedule.name} step {step_index}, rank {self.rank}")
 

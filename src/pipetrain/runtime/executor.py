@@ -29,6 +29,7 @@ from pipetrain.plan import Action, ActionKind
 from pipetrain.plan.program import RankProgram
 from pipetrain.runtime.custom import CustomAction, CustomFunction, PipelineContext
 from pipetrain.runtime.data_parallel import reduce_grad, reshard, unshard
+from pipetrain.runtime.device_timing import DeviceClock
 from pipetrain.runtime.transport.wire import RecvHandle, RecvItem, SendItem
 from pipetrain.stage import PipelineStage
 
@@ -116,6 +117,10 @@ class RankExecutor:
         self.pos = 0  # the program step being run (its sends not yet posted count as owed)
         self.step_index = -1
         self.events: list[tuple[Action, int, int]] = []
+        # Device timing (see device_timing): the clock, and per compute action its index in
+        # ``events`` and its two marks on the device.
+        self.clock: DeviceClock | None = None
+        self.timed: list[tuple[int, Any, Any]] = []
         self.data = StepData(-1, False)
         self._reset()
 
@@ -142,6 +147,7 @@ class RankExecutor:
         self.action = None
         self.pos = 0
         self.events = []
+        self.timed = []
 
     # --------------------------------------------------------------- running
     def run(self, program: RankProgram, data: StepData) -> Generator[None, None, None]:
@@ -153,6 +159,9 @@ class RankExecutor:
         profiling = torch.autograd.profiler._is_profiler_enabled
         events = self.events
         clock = time.perf_counter_ns
+        on_device = self.clock
+        if on_device is not None:
+            on_device.start()
         blocking = self.comm.blocking
         train = data.train
         for pos, step in enumerate(program.steps):
@@ -172,6 +181,7 @@ class RankExecutor:
             else:
                 self._receive_inputs(action)  # waits end before the compute's clock starts
             t0 = clock()
+            mark = on_device.mark() if on_device is not None else None
             # Grad mode is set per action, never across a yield (in-process ranks interleave).
             with torch.set_grad_enabled(train):
                 if profiling:
@@ -179,6 +189,8 @@ class RankExecutor:
                         self._compute(action)
                 else:
                     self._compute(action)
+            if on_device is not None:
+                self.timed.append((len(events), mark, on_device.mark()))
             events.append((action, t0, clock()))
         self.action = None
         self.pos = len(program.steps)

@@ -175,6 +175,8 @@ def _train(env: DistEnv, cfg: TrainConfig, device: torch.device) -> TrainResult 
             args = (x.to(device),) if has_first else ()
             kwargs: dict[str, Any] = {"target": y.to(device), "losses": []} if reporting else {}
             profiling = _line_up(measures, profile, step, cfg.steps)
+            # A measured step (profiled, or the last) times its compute on the GPU, not its launches.
+            sched.device_timing = profiling or step == cfg.steps - 1
             t0 = time.perf_counter()
             origin = t0
             sched.step(*args, **kwargs)
@@ -194,6 +196,7 @@ def _train(env: DistEnv, cfg: TrainConfig, device: torch.device) -> TrainResult 
             if ckpt is not None and ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps):
                 _save(ckpt, step + 1, stages, optimizer, result, schedule.stage_to_rank[last_stage], cfg)
         measured = _gather_timeline(sched, env, origin)
+        sched.device_timing = False
         # Held-out loss: a forward-only pass of the same schedule (eval works on every schedule).
         xe, ye = data.batch(0, cfg.batch_size, mcfg.seq_len, seed=cfg.seed, split="eval")
         out = sched.eval(xe.to(device)) if has_first else sched.eval()
