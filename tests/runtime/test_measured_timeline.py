@@ -97,19 +97,32 @@ def _device_timed(rank: int, world: int) -> dict[str, object]:
     comm = [e for e in first.events if e.kind not in ("F", "I", "W", "B")]
     sched.device_timing = False
     step()
+    clocks_made = len(_StandInClock.made)
+    # A step that fails midway keeps host times: its marks are never read (on a GPU, the stream
+    # may wait forever for a dead peer's data).
+    sched.device_timing = True
+    stages[0].submodule.register_forward_hook(lambda *_: 1 / 0 if rank == 1 else None)
+    from pipetrain.errors import PipelineError
+
+    with pytest.raises(PipelineError):
+        step()
+    failed = sched.last_timeline
+    assert failed is not None
     return {
         "compute": [(e.start, e.end) for e in compute],
         "comm_starts": [e.start for e in comm],
         "again": [(e.start, e.end) for e in again.events] == [(e.start, e.end) for e in first.events],
         "starts_reads_marks": (clock.starts, clock.reads, clock.marks),
-        "clocks_made": len(_StandInClock.made),
+        "clocks_made": clocks_made,
+        "failed_step": (_StandInClock.made[-1].reads, min((e.start for e in failed.events), default=0.0) >= 0),
     }
 
 
 def test_device_timing_times_compute_with_the_device_clock_only_when_asked() -> None:
     """With ``device_timing`` on, each compute action's box is read from its two marks on the device
     (here a stand-in clock on the CPU); SEND/RECV keep the host's times; the marks are read once,
-    when the timeline is first built; the next step without it makes no clock."""
+    when the timeline is first built; the next step without it makes no clock; a failed step's
+    marks are never read."""
     for out in run_ranks(_device_timed, 2):
         compute = out["compute"]
         # 2 stages × 4 microbatches × F, I, W on each rank: marks 1..24, two per action, in order.
@@ -118,3 +131,4 @@ def test_device_timing_times_compute_with_the_device_clock_only_when_asked() -> 
         assert out["again"] is True
         assert out["starts_reads_marks"] == (1, 1, 48)
         assert out["clocks_made"] == 1
+        assert out["failed_step"] == (0, True)

@@ -52,12 +52,12 @@ class CudaClock:
     def start(self) -> None:
         torch.cuda.synchronize(self.device)  # the device is idle: the reference runs when recorded
         self._ref = _EVENT(enable_timing=True)
-        self._ref_ns = time.perf_counter_ns()
-        self._ref.record()
+        self._ref.record(torch.cuda.current_stream(self.device))
+        self._ref_ns = time.perf_counter_ns()  # (after the record call: it has run by now)
 
     def mark(self) -> Any:
         event = _EVENT(enable_timing=True)
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))  # the stage's device, whichever is current
         return event
 
     def read(self, marks: Sequence[Any]) -> list[int]:

@@ -294,15 +294,19 @@ class PipelineScheduleRuntime(StepDriver):
         # The agreed step: a neighbour may still fail in its agreement (after this rank read its
         # key) and send no notice, so receives poll the story while they wait (see Waiter.watch).
         self._waiter.watch = first
+        failed = False
         try:
             yield
         except BaseException as exc:
+            failed = True
             self._fail(executor, exc)
             raise AssertionError("unreachable") from exc  # _fail always raises
         finally:
             self._waiter.watch = False
-            # A timeline is built on demand (steps stay cheap), device times read then.
-            self._last = (executor.events, executor.timed, executor.clock, step_index, prepared.schedule)
+            # A timeline is built on demand (steps stay cheap), device times read then. A failed
+            # step keeps its host times: its stream may wait forever for a dead peer's data.
+            clock = None if failed else executor.clock
+            self._last = (executor.events, executor.timed if clock else [], clock, step_index, prepared.schedule)
             executor.clear()
 
     def _execute(self, prepared: Prepared, data: StepData) -> RankExecutor | None:

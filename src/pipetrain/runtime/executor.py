@@ -181,7 +181,8 @@ class RankExecutor:
             else:
                 self._receive_inputs(action)  # waits end before the compute's clock starts
             t0 = clock()
-            mark = on_device.mark() if on_device is not None else None
+            # (UNSHARD, RESHARD and REDUCE_GRAD keep host times)
+            mark = on_device.mark() if on_device is not None and action.kind.is_compute else None
             # Grad mode is set per action, never across a yield (in-process ranks interleave).
             with torch.set_grad_enabled(train):
                 if profiling:
@@ -189,7 +190,7 @@ class RankExecutor:
                         self._compute(action)
                 else:
                     self._compute(action)
-            if on_device is not None:
+            if mark is not None and on_device is not None:
                 self.timed.append((len(events), mark, on_device.mark()))
             events.append((action, t0, clock()))
         self.action = None
