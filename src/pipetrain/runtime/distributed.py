@@ -306,7 +306,8 @@ class PipelineScheduleRuntime(StepDriver):
             # A timeline is built on demand (steps stay cheap), device times read then. A failed
             # step keeps its host times: its stream may wait forever for a dead peer's data.
             clock = None if failed else executor.clock
-            self._last = (executor.events, executor.timed if clock else [], clock, step_index, prepared.schedule)
+            timed = executor.timed if clock is not None else []
+            self._last = (executor.events, timed, clock, step_index, prepared.schedule)
             executor.clear()
 
     def _execute(self, prepared: Prepared, data: StepData) -> RankExecutor | None:
