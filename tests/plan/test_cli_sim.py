@@ -249,6 +249,37 @@ def test_plan_refuses_a_costs_file_without_costs(
     assert len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("command", ["simulate", "compare", "plan"])
+def test_every_costs_command_reads_a_costs_file(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, command: str
+) -> None:
+    """simulate, compare and plan take ``--from-profile FILE`` alike (# lines and blank lines
+    skipped, lines joined), and give what ``--costs`` with the same text gives."""
+    path = tmp_path / "costs.txt"
+    path.write_text("# measured by hand\nf=1:1:1.5:1,b=2:2:3:2\n\ncomm=0.1\n")
+    spec = "f=1:1:1.5:1,b=2:2:3:2,comm=0.1"
+    sizes = ["ZBVZeroBubble", "-p", "2", "-m", "4"] if command == "simulate" else ["-p", "2", "-m", "4"]
+    extra = ["--time-limit", "0.5"] if command == "plan" else []
+    code, from_file, _ = run(capsys, command, *sizes, *extra, "--from-profile", str(path))
+    assert code == 0
+    code, from_spec, _ = run(capsys, command, *sizes, *extra, "--costs", spec)
+    assert code == 0
+    if command != "plan":  # (plan's search is timed: its construction may differ run to run)
+        assert from_file == from_spec
+    assert "1.5" in from_file
+    with pytest.raises(SystemExit):
+        run(capsys, command, *sizes, "--from-profile", str(path), "--costs", spec)
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_per_stage_costs_of_different_lengths_are_named(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "costs.txt"
+    path.write_text("f=1:1:1,b=2:2:2:2\n")
+    code, out, err = run(capsys, "plan", "-p", "2", "-m", "4", "--from-profile", str(path))
+    assert code == 1 and out == ""
+    assert f"--from-profile {path}" in err and "f 3, b 4 values" in err, err
+
+
 def test_plan_says_what_its_memory_is_in_stage_activations_for_per_stage_costs(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -40,3 +40,22 @@ def test_no_timeline_or_no_forward_is_named() -> None:
         costs_from_timelines([], 2)
     with pytest.raises(ScheduleError, match="no forward"):
         costs_from_timelines([Timeline(num_ranks=1, events=[], title="", source="measured", unit="s")], 2)
+
+
+def test_a_stage_that_never_ran_a_kind_gets_the_other_stages_median() -> None:
+    """(What `pipetrain train` writes to costs.txt for one step, where a stage may run no I or W.)"""
+    from pipetrain.plan.timeline import TimelineEvent
+
+    def ev(rank: int, label: str, kind: str, stage: int, start: float, end: float) -> TimelineEvent:
+        return TimelineEvent(rank, label, kind, stage, int(label[-1]), start, end)
+
+    tl = Timeline(
+        3,
+        [ev(0, "0F0", "F", 0, 0, 1), ev(0, "0F1", "F", 0, 1, 4), ev(1, "1F0", "F", 1, 1, 3),
+         ev(1, "1I0", "I", 1, 3, 4), ev(1, "1W0", "W", 1, 4, 4.5), ev(2, "2F0", "F", 2, 3, 4),
+         ev(2, "2I0", "I", 2, 4, 7), ev(2, "2W0", "W", 2, 7, 8.5)],
+    )  # fmt: skip
+    costs = costs_from_timelines([tl], 3)
+    assert costs.f == (2.0, 2.0, 1.0)  # stage 0: the median of 1 and 3
+    assert costs.i == (2.0, 1.0, 3.0) and costs.w == (1.0, 0.5, 1.5)  # stage 0 ran none: the others' median
+    assert costs.b == (3.0, 1.5, 4.5)

@@ -12,7 +12,7 @@ import pytest
 from pipetrain.plan import build_schedule
 from pipetrain.plan.costs import Costs
 from pipetrain.plan.timeline import Timeline, TimelineEvent
-from pipetrain.train.outputs import bubble_fraction, costs_from_timeline, write_outputs
+from pipetrain.train.outputs import bubble_fraction, write_outputs
 from pipetrain.train.progress import StepReporter
 
 
@@ -40,19 +40,6 @@ def test_bubble_counts_only_compute() -> None:
     )  # fmt: skip
     assert bubble_fraction(tl) == pytest.approx(1 - 4 / 8)
     assert bubble_fraction(Timeline(2, [])) == 0.0
-
-
-def test_costs_are_per_stage_means_with_split_backward_filled_in() -> None:
-    tl = Timeline(
-        2,
-        [_ev(0, "0F0", "F", 0, 0, 1), _ev(0, "0F1", "F", 0, 1, 4), _ev(1, "1F0", "F", 1, 0, 2),
-         _ev(1, "1I0", "I", 1, 2, 3), _ev(1, "1W0", "W", 1, 3, 3.5)],
-    )  # fmt: skip
-    costs = costs_from_timeline(tl, 2)
-    assert costs["f"] == [2.0, 2.0]
-    # Stage 0 ran no I/W: it gets the mean over the stages that did.
-    assert costs["i"] == [1.0, 1.0] and costs["w"] == [0.5, 0.5]
-    assert costs["b"] == [1.5, 1.5]
 
 
 def test_summary_files_from_a_measured_step(tmp_path: Path) -> None:

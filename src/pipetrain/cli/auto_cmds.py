@@ -7,7 +7,7 @@ import argparse
 import math
 from typing import Any
 
-from pipetrain.cli.common import OUTPUT_NAMING, schedule_output, write_schedule
+from pipetrain.cli.common import OUTPUT_NAMING, PROFILE_HELP, read_costs_file, schedule_output, write_schedule
 from pipetrain.plan.costs import Costs
 from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.search import plan_schedule, rank_schedules
@@ -35,12 +35,7 @@ def register(subparsers: Any) -> None:
         "per stage with ':' (e.g. f=2:1:1:2), which fixes the number of stages and makes every number per stage, "
         "plain ones included",
     )
-    costs.add_argument(
-        "--from-profile",
-        metavar="FILE",
-        help="read the costs from a file written by `pipetrain profile` or `pipetrain train --out` (costs.txt: "
-        "one value per stage, as measured)",
-    )
+    costs.add_argument("--from-profile", metavar="FILE", help=PROFILE_HELP)
     plan.add_argument("--time-limit", type=float, default=10.0, help="seconds the construction may search (default 10)")
     plan.add_argument(
         "--placement",
@@ -142,21 +137,4 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _read_costs(args: argparse.Namespace) -> Costs:
-    if args.from_profile is None:
-        return Costs.parse(args.costs)
-    try:
-        with open(args.from_profile, encoding="utf-8") as handle:
-            text = handle.read().strip()
-    except OSError as exc:
-        raise ScheduleError(f"--from-profile {args.from_profile}: cannot read it ({exc.strerror})") from None
-    except UnicodeDecodeError:
-        raise ScheduleError(f"--from-profile {args.from_profile}: not a UTF-8 text file") from None
-    if not any(item.partition("=")[0].strip().lower() == "f" for item in text.split(",")):
-        raise ScheduleError(
-            f"--from-profile {args.from_profile}: holds no measured forward times (f=...); "
-            "write it with `pipetrain profile --costs-out FILE` or `pipetrain train --out DIR`"
-        )
-    try:
-        return Costs.parse(text)
-    except ScheduleError as exc:
-        raise ScheduleError(f"--from-profile {args.from_profile}: {exc}") from None
+    return Costs.parse(args.costs) if args.from_profile is None else read_costs_file(args.from_profile)

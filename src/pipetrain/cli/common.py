@@ -6,6 +6,7 @@ import argparse
 import importlib
 import os
 
+from pipetrain.plan.costs import Costs
 from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.generators import build_schedule
 from pipetrain.plan.schedule import Schedule, is_schedule_file
@@ -119,3 +120,31 @@ def require(module: str, command: str, needed_by: str | None = None) -> None:
         if found is None:
             raise
         raise found from None
+
+
+PROFILE_HELP = (
+    "read the costs from a file written by `pipetrain profile --costs-out` or `pipetrain train --out` "
+    "(costs.txt: one value per stage, as measured; lines starting with # are ignored)"
+)
+
+
+def read_costs_file(path: str, flag: str = "--from-profile") -> Costs:
+    """The costs in a costs file (``f=...,b=...`` as ``--costs`` takes them; ``#`` lines and blank
+    lines skipped, lines joined), or a one-line error naming the file."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            lines = handle.read().splitlines()
+    except OSError as exc:
+        raise ScheduleError(f"{flag} {path}: cannot read it ({exc.strerror})") from None
+    except UnicodeDecodeError:
+        raise ScheduleError(f"{flag} {path}: not a UTF-8 text file") from None
+    text = ",".join(line.strip().rstrip(",") for line in lines if line.strip() and not line.lstrip().startswith("#"))
+    if not any(item.partition("=")[0].strip().lower() == "f" for item in text.split(",")):
+        raise ScheduleError(
+            f"{flag} {path}: holds no measured forward times (f=...); "
+            "write it with `pipetrain profile --costs-out FILE` or `pipetrain train --out DIR`"
+        )
+    try:
+        return Costs.parse(text)
+    except ScheduleError as exc:
+        raise ScheduleError(f"{flag} {path}: {exc}") from None

@@ -8,7 +8,15 @@ import sys
 from typing import Any
 
 from pipetrain.cli.arguments import add_output_argument, add_schedule_command
-from pipetrain.cli.common import OUTPUT_NAMING, add_size_arguments, output_path, require, schedule_from_args
+from pipetrain.cli.common import (
+    OUTPUT_NAMING,
+    PROFILE_HELP,
+    add_size_arguments,
+    output_path,
+    read_costs_file,
+    require,
+    schedule_from_args,
+)
 from pipetrain.plan.costs import Costs
 from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.generators import build_schedule, schedule_names
@@ -17,8 +25,10 @@ from pipetrain.plan.simulate import SimResult, simulate
 
 
 def _add_costs_argument(parser: argparse.ArgumentParser, meaning: str) -> None:
-    """``--costs SPEC``; ``meaning`` says what the numbers describe for this command."""
-    parser.add_argument(
+    """``--costs SPEC`` or ``--from-profile FILE``; ``meaning`` says what the numbers describe here."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--from-profile", metavar="FILE", help=PROFILE_HELP)
+    group.add_argument(
         "--costs",
         default="",
         metavar="SPEC",
@@ -71,8 +81,10 @@ def register(subparsers: Any) -> None:
     cmp.set_defaults(func=_compare)
 
 
-def _costs(text: str) -> Costs:
-    return Costs.parse(text) if text else Costs()
+def _costs(args: argparse.Namespace) -> Costs:
+    if args.from_profile is not None:
+        return read_costs_file(args.from_profile)
+    return Costs.parse(args.costs) if args.costs else Costs()
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -81,7 +93,7 @@ def _simulate(args: argparse.Namespace) -> int:
     if pictures:
         require("matplotlib", "simulate", "--" + "/--".join(fmt for _, fmt in pictures))
     schedule = schedule_from_args(args.schedule, args)
-    costs = _costs(args.costs)
+    costs = _costs(args)
     try:
         if args.lowered and not schedule.is_lowered:
             schedule = schedule.lower()
@@ -187,7 +199,7 @@ def _compare(args: argparse.Namespace) -> int:
         require("matplotlib", "compare", "--png")
     if args.stages_per_rank is not None and args.stages_per_rank < 1:
         raise ScheduleError(f"--stages-per-rank must be >= 1, got {args.stages_per_rank}")
-    costs = _costs(args.costs)
+    costs = _costs(args)
     rows, results = compare_rows(args.ranks, args.microbatches, args.stages_per_rank, costs)
     if not rows:
         raise ScheduleError(

@@ -43,6 +43,18 @@ def _check(name: str, value: PerStage | None) -> PerStage | None:
     return tuple(out)
 
 
+def _check_stage_counts(costs: Costs) -> None:
+    """Per-stage values given for several costs must agree on the number of stages."""
+    counts = {
+        ("bytes" if name == "activation_bytes" else name): len(v)
+        for name in ("f", "b", "i", "w", "activation_bytes")
+        if isinstance(v := getattr(costs, name), tuple)
+    }
+    if len(set(counts.values())) > 1:
+        each = ", ".join(f"{name} {count}" for name, count in counts.items())
+        raise ScheduleError(f"per-stage costs disagree on the number of stages: {each} values")
+
+
 def _combine(a: PerStage, b: PerStage, op: str) -> PerStage:
     """Element-wise a + b, a - b or a / 2 (``b`` ignored) over numbers and per-stage tuples."""
     if isinstance(a, float) and isinstance(b, float):
@@ -92,6 +104,7 @@ class Costs:
             object.__setattr__(self, name, _check(name, getattr(self, name)))
         if self.f is None:
             raise ScheduleError("cost f is required")
+        _check_stage_counts(self)
         for name in ("comm", "overlap", "send", "recv", "unshard", "reshard", "reduce_grad"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:

@@ -61,11 +61,14 @@ class Candidate:
 
 
 def _fixed_stages(costs: Costs, num_ranks: int) -> int | None:
-    lengths = {len(v) for v in (costs.f, costs.b, costs.i, costs.w, costs.activation_bytes) if isinstance(v, Sequence)}
+    named = {"f": costs.f, "b": costs.b, "i": costs.i, "w": costs.w, "bytes": costs.activation_bytes}
+    counts = {name: len(v) for name, v in named.items() if isinstance(v, Sequence)}
+    lengths = set(counts.values())
     if not lengths:
         return None
     if len(lengths) > 1:
-        raise ScheduleError(f"per-stage costs disagree on the number of stages: {sorted(lengths)}")
+        each = ", ".join(f"{name} {count}" for name, count in counts.items())
+        raise ScheduleError(f"per-stage costs disagree on the number of stages: {each} values")
     (n,) = lengths
     if n % num_ranks:
         raise ScheduleError(f"per-stage costs give {n} stages, which {num_ranks} ranks cannot share evenly")

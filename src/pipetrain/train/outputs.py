@@ -8,16 +8,15 @@ by what the cost model leaves out: communication, waiting and per-action overhea
 from __future__ import annotations
 
 import json
-import statistics
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 from pipetrain.plan.costs import Costs
+from pipetrain.plan.measure import costs_from_timelines
 from pipetrain.plan.schedule import Schedule
 from pipetrain.plan.timeline import Timeline
 
-__all__ = ["bubble_fraction", "costs_from_timeline", "write_outputs"]
+__all__ = ["bubble_fraction", "write_outputs"]
 
 _COMPUTE = ("F", "B", "I", "W", "OVERLAP_F_B")
 
@@ -31,32 +30,10 @@ def bubble_fraction(timeline: Timeline) -> float:
     return max(0.0, 1.0 - busy / (span * timeline.num_ranks))
 
 
-def costs_from_timeline(timeline: Timeline, num_stages: int) -> dict[str, Any]:
-    """Per-stage mean seconds of F, B, I, W measured in ``timeline`` (keyword arguments of ``Costs``)."""
-    samples: dict[tuple[str, int], list[float]] = defaultdict(list)
-    for e in timeline.events:
-        if e.kind in ("F", "B", "I", "W"):
-            samples[(e.kind, e.stage)].append(e.duration)
-    out: dict[str, Any] = {}
-    for kind in ("F", "B", "I", "W"):
-        if not any((kind, s) in samples for s in range(num_stages)):
-            continue
-        everywhere = statistics.fmean(d for s in range(num_stages) for d in samples.get((kind, s), []))
-        out[kind.lower()] = [
-            statistics.fmean(samples[(kind, s)]) if (kind, s) in samples else everywhere for s in range(num_stages)
-        ]
-    if "b" not in out and "i" in out and "w" in out:
-        out["b"] = [i + w for i, w in zip(out["i"], out["w"], strict=True)]
-    if "i" not in out and "b" in out:
-        out["i"] = [b / 2 for b in out["b"]]
-        out["w"] = [b / 2 for b in out["b"]]
-    out.setdefault("f", [0.0] * num_stages)
-    return out
-
-
 def _measured_costs(schedule: Schedule, measured: Timeline) -> Costs:
-    """Each stage's mean measured F/B/I/W seconds, communication left out (what ``--costs`` takes)."""
-    return Costs(**costs_from_timeline(measured, schedule.num_stages), comm=0.0)
+    """Each stage's median measured F/B/I/W seconds and the message latency of this step: what
+    ``pipetrain profile`` measures over its steps (:func:`~pipetrain.plan.costs_from_timelines`)."""
+    return costs_from_timelines([measured], schedule.num_stages)
 
 
 def _simulate(schedule: Schedule, costs: Costs) -> Timeline:
@@ -64,7 +41,7 @@ def _simulate(schedule: Schedule, costs: Costs) -> Timeline:
 
     result = simulate(schedule, costs)
     timeline: Timeline = result.timeline
-    timeline.title = f"{schedule.name or 'schedule'}: simulated (measured mean F/B/I/W per stage, no comm)"
+    timeline.title = f"{schedule.name or 'schedule'}: simulated (measured F/B/I/W per stage and latency)"
     timeline.unit = "s"
     return timeline
 
