@@ -156,7 +156,11 @@ def main() -> None:
         if key.split()[0] not in opts.models.split(","):
             del MODELS[key]
     if opts.device == "cuda" and torch.cuda.device_count() < opts.ranks:
-        raise SystemExit(f"runtime_vs_torch.py --device cuda --ranks {opts.ranks} needs {opts.ranks} GPUs")
+        raise SystemExit(
+            f"runtime_vs_torch.py: error: --device cuda --ranks {opts.ranks} needs {opts.ranks} "
+            f"GPU{'s' * (opts.ranks > 1)}, {torch.cuda.device_count()} visible (torch {torch.__version__}, "
+            f"CUDA {torch.version.cuda or 'none: a CPU-only build'})"
+        )
     world = opts.ranks
     rows = run_on_ranks(_bench, world, world, opts.steps, opts.warmup, SCHEDULES, MODELS, opts.device)
     where = (

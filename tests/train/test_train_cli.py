@@ -59,7 +59,21 @@ def test_schedule_problems_are_reported_before_spawning(capsys: pytest.CaptureFi
 @pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="checks the message shown without enough GPUs")
 def test_cuda_without_gpus_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["train", "--device", "cuda"]) == 1
-    assert "--device cuda with 2 ranks needs 2 GPUs" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    if torch.cuda.is_available():
+        assert "--device cuda with 2 ranks needs 2 GPUs (one per rank), 1 visible" in err
+    else:  # a CPU-only torch (as here) says so, not "0 GPUs visible"
+        assert "--device cuda, but torch" in err and ("CPU-only build" in err or "sees no GPU" in err), err
+
+
+def test_no_cuda_reason_names_the_cause(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipetrain.train.launch import no_cuda_reason
+
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert "is a CPU-only build; install a CUDA build of torch" in no_cuda_reason()
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert no_cuda_reason().endswith("(CUDA 13.0) sees no GPU (CUDA_VISIBLE_DEVICES=''): check the driver (nvidia-smi)")
 
 
 def test_check_verdict_names_the_first_differing_step() -> None:

@@ -214,9 +214,14 @@ def _train(args: argparse.Namespace) -> int:
     if cfg.device == "cuda":
         import torch
 
+        from pipetrain.train.launch import no_cuda_reason
+
+        if not torch.cuda.is_available():
+            raise PipelineError(f"--device cuda, but {no_cuda_reason()}")
         if torch.cuda.device_count() < cfg.ranks:
+            gpus = f"{cfg.ranks} GPU{'s' * (cfg.ranks > 1)}"
             raise PipelineError(
-                f"--device cuda with {cfg.ranks} ranks needs {cfg.ranks} GPUs, {torch.cuda.device_count()} visible"
+                f"--device cuda with {cfg.ranks} ranks needs {gpus} (one per rank), {torch.cuda.device_count()} visible"
             )
     _say_if_no_pictures()
     spawn(run_rank, cfg.ranks, cfg)

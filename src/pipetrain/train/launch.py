@@ -61,11 +61,23 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def no_cuda_reason() -> str:
+    """Why torch sees no GPU, in words a user can act on."""
+    if torch.version.cuda is None:
+        return (
+            f"torch {torch.__version__} is a CPU-only build; install a CUDA build of torch "
+            "(https://pytorch.org/get-started/locally/)"
+        )
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+    where = f" (CUDA_VISIBLE_DEVICES={hidden!r})" if hidden is not None else ""
+    return f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU{where}: check the driver (nvidia-smi)"
+
+
 def init_process_group(env: DistEnv, device: str, timeout_s: float = 300.0) -> torch.device:
     """Join the job: gloo on CPU (one thread per rank), NCCL on CUDA (one GPU per local rank)."""
     if device == "cuda":
         if not torch.cuda.is_available():
-            raise PipelineError(f"rank {env.rank}: --device cuda but torch sees no CUDA device")
+            raise PipelineError(f"rank {env.rank}: --device cuda, but {no_cuda_reason()}")
         if env.local_rank >= torch.cuda.device_count():
             raise PipelineError(
                 f"rank {env.rank}: local rank {env.local_rank} needs a GPU, only {torch.cuda.device_count()} visible"
