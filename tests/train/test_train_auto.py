@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -51,6 +52,17 @@ def test_train_schedule_auto_trains_with_the_plan(tmp_path: Path) -> None:
     assert "auto: measured 3 steps of ZBVZeroBubble; planned" in run.stdout
     assert "final loss" in run.stdout
     assert (tmp_path / "out" / "costs.txt").exists()
+    # The plan is kept: its line in the summary, the schedule the last step ran in schedule.csv.
+    planned = next(line for line in run.stdout.splitlines() if line.startswith("auto: "))
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["auto"] == planned and planned in (tmp_path / "out" / "summary.md").read_text()
+    kept = Schedule.from_csv(tmp_path / "out" / "schedule.csv")
+    kept.validate()
+    assert kept.num_ranks == 2 and kept.num_microbatches == 4
+    if summary["schedule"] == "ZBVZeroBubble":  # the plan kept the profiled schedule
+        assert kept.actions == build_schedule("ZBVZeroBubble", 2, 4).actions
+    else:
+        assert summary["schedule"] == "Auto"
 
 
 @pytest.mark.slow

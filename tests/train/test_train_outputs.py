@@ -11,6 +11,7 @@ import pytest
 
 from pipetrain.plan import build_schedule
 from pipetrain.plan.costs import Costs
+from pipetrain.plan.schedule import Schedule
 from pipetrain.plan.timeline import Timeline, TimelineEvent
 from pipetrain.train.outputs import bubble_fraction, write_outputs
 from pipetrain.train.progress import StepReporter
@@ -72,6 +73,9 @@ def test_summary_files_from_a_measured_step(tmp_path: Path) -> None:
     costs = Costs.parse((tmp_path / "costs.txt").read_text())
     assert costs.f == costs.b == (0.5, 0.5) and costs.comm == 0.0
     assert summary["costs"] == (tmp_path / "costs.txt").read_text().strip()
+    # The schedule it trained, as a file train --schedule takes.
+    assert Schedule.from_csv(tmp_path / "schedule.csv").actions == plan.actions
+    assert "auto" not in summary
 
 
 def test_ranks_of_one_machine_share_the_timeline_zero_and_strangers_do_not() -> None:

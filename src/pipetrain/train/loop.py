@@ -96,6 +96,7 @@ class TrainResult:
     reference_grad_norms: list[float] | None = None
     eval_loss: float = float("nan")
     files: list[str] = field(default_factory=list)
+    plan_summary: str | None = None  # --schedule auto: what was planned from the profiled steps
 
 
 def plan_for(cfg: TrainConfig, world_size: int) -> Schedule:
@@ -192,7 +193,9 @@ def _train(env: DistEnv, cfg: TrainConfig, device: torch.device) -> TrainResult 
                 result.step_times.append(dt)
                 reporter.update(step, loss, tokens / dt)
             if profiling:
-                schedule, sched = _profiled(_gather_timeline(sched, env, origin), profile, schedule, sched, stages, cfg)
+                schedule, sched = _profiled(
+                    _gather_timeline(sched, env, origin), profile, schedule, sched, stages, cfg, result
+                )
             if ckpt is not None and ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps):
                 _save(ckpt, step + 1, stages, optimizer, result, schedule.stage_to_rank[last_stage], cfg)
         measured = _gather_timeline(sched, env, origin)
@@ -333,10 +336,17 @@ def _line_up(auto: bool, profile: list[Any], step: int, steps: int) -> bool:
 
 
 def _profiled(
-    measured: Any, profile: list[Any], schedule: Schedule, sched: Any, stages: list[Any], cfg: TrainConfig
+    measured: Any,
+    profile: list[Any],
+    schedule: Schedule,
+    sched: Any,
+    stages: list[Any],
+    cfg: TrainConfig,
+    result: TrainResult | None,
 ) -> tuple[Schedule, Any]:
     """``--schedule auto``: keep a profiled step's timeline; after the last one, plan on rank 0 and
-    return every rank's new schedule and runtime (else the ones running)."""
+    return every rank's new schedule and runtime (else the ones running); the reporting rank's
+    ``result`` keeps what was planned."""
     import pipetrain
 
     if measured is not None:
@@ -350,6 +360,8 @@ def _profiled(
     planned = share_plan(plan_from_profile(schedule, profile, cfg.plan_time_limit) if dist.get_rank() == 0 else None)
     if schedule.num_stages - 1 in [s.stage_index for s in stages]:
         print(planned.summary)
+    if result is not None:
+        result.plan_summary = planned.summary
     return planned.schedule, pipetrain.PipelineScheduleRuntime(stages, planned.schedule, loss_fn=lm_loss)
 
 

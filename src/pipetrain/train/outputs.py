@@ -86,6 +86,12 @@ def write_outputs(
         "grad_norms": getattr(result, "grad_norms", []),
         "tokens_per_s_last": tokens_per_step / result.step_times[-1],
     }
+    plan_summary = getattr(result, "plan_summary", None)
+    if plan_summary:
+        summary["auto"] = plan_summary
+    # The schedule the last step trained with: `pipetrain train --schedule schedule.csv` trains it again.
+    schedule.to_csv(out / "schedule.csv")
+    written.append(out / "schedule.csv")
     simulated = None
     if measured is not None:
         measured.title = f"{schedule.name or 'schedule'}: measured last step ({cfg.device})"
@@ -128,6 +134,9 @@ def _summary_md(s: dict[str, Any]) -> str:
         + f"; last step {s['tokens_per_s_last']:,.0f} tokens/s.",
         "",
     ]
+    if s.get("auto"):
+        lines += [f"Planned from the profiled steps (`--schedule auto`): {s['auto']}", ""]
+    lines += ["The schedule of the last step is in schedule.csv (`pipetrain train --schedule schedule.csv`).", ""]
     if "measured_step_s" in s:
         lines += ["| last step | step time | bubble |", "|---|---|---|"]
         lines.append(f"| measured | {s['measured_step_s'] * 1e3:.1f} ms | {s['measured_bubble']:.1%} |")
@@ -135,8 +144,9 @@ def _summary_md(s: dict[str, Any]) -> str:
             lines.append(f"| simulated | {s['simulated_step_s'] * 1e3:.1f} ms | {s['simulated_bubble']:.1%} |")
             lines += [
                 "",
-                "The simulation runs the same schedule with each stage's mean measured F/B/I/W time and free "
-                "communication; the gap to the measurement is communication, waiting and per-action overhead.",
+                "The simulation runs the same schedule with costs.txt: each stage's median F/B/I/W time and "
+                "the median message latency of this step; the gap to the measurement is what that model leaves "
+                "out (time spent sending, waits beyond the latency, per-action overhead).",
             ]
     else:
         lines.append("(the runtime recorded no timeline for this step)")
