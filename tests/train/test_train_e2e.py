@@ -77,6 +77,8 @@ def test_a_csv_schedule_runs_with_the_runtime(tmp_path: Path) -> None:
                        "--clip-grad-norm", "0.05", "--out", str(tmp_path / "o")], tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "losses and gradient norms" in proc.stdout and ": agree" in proc.stdout, proc.stdout
+    # The file sets the ranks: said before anything is spawned.
+    assert f"{path}: 2 ranks, 2 stages, 4 microbatches: spawning 2 processes" in proc.stdout.splitlines()[0]
 
 
 def test_two_torchrun_nodes_on_localhost(tmp_path: Path) -> None:

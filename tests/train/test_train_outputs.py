@@ -23,11 +23,12 @@ def _ev(rank: int, action: str, kind: str, stage: int, start: float, end: float)
 
 def test_plain_progress_lines_when_not_a_terminal() -> None:
     stream = io.StringIO()
-    reporter = StepReporter(12, stream=stream)
+    reporter = StepReporter(12, title="1F1B × 2 ranks", stream=stream)
     reporter.update(0, 5.25, 1234.4)
     reporter.update(11, 2.5, 99.0)
     reporter.close()
     assert stream.getvalue().splitlines() == [
+        "1F1B × 2 ranks",  # what the bar's label says on a terminal
         "step  1/12  loss 5.2500  1,234 tokens/s",
         "step 12/12  loss 2.5000  99 tokens/s",
     ]

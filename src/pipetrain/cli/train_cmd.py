@@ -56,7 +56,8 @@ def _add_run_arguments(train: Any, steps: int = _DEFAULTS["steps"]) -> None:
         "--ranks",
         type=int,
         default=None,
-        help=f"pipeline ranks to spawn (default {_DEFAULTS['ranks']}; torchrun's WORLD_SIZE under torchrun)",
+        help=f"pipeline ranks to spawn (default {_DEFAULTS['ranks']}, or the ranks of a --schedule file; "
+        "torchrun's WORLD_SIZE under torchrun)",
     )
     train.add_argument(
         "--stages-per-rank", type=int, default=None, help="stages per rank (default: what the schedule needs)"
@@ -158,6 +159,13 @@ def _train(args: argparse.Namespace) -> int:
         mb_source = f"the {microbatches} microbatches of {args.schedule}"
         if env is None and ranks is None:
             ranks = planned.num_ranks
+            cores = os.cpu_count() or 1
+            crowded = f" (more than the {cores} CPU cores here)" if args.device == "cpu" and ranks > cores else ""
+            print(
+                f"{args.schedule}: {planned.num_ranks} ranks, {planned.num_stages} stages, "
+                f"{planned.num_microbatches} microbatches: spawning {ranks} processes{crowded}",
+                flush=True,
+            )
     if args.checkpoint_every is not None and args.checkpoint_dir is None:
         raise PipelineError("--checkpoint-every needs --checkpoint-dir (where the checkpoints go)")
     if (

@@ -161,7 +161,13 @@ def _train(env: DistEnv, cfg: TrainConfig, device: torch.device) -> TrainResult 
     result = _result_so_far(resumed, start, cfg) if reporting else None
     kill_at = _kill_step(env.rank)
     reporter = (
-        StepReporter(cfg.steps, title=f"{schedule.name or 'schedule'} × {env.world_size} ranks") if reporting else None
+        StepReporter(
+            cfg.steps,
+            title=f"{schedule.name or 'schedule'} × {env.world_size} ranks, {num_stages} stages, "
+            f"{schedule.num_microbatches} microbatches, batch {cfg.batch_size}, model {cfg.model} on {cfg.device}",
+        )
+        if reporting
+        else None
     )
     tokens = cfg.batch_size * mcfg.seq_len
     measured = None

@@ -16,11 +16,14 @@ class StepReporter:
         self.stream = stream if stream is not None else sys.stdout
         self._progress: Any = None
         self._task: Any = None
-        if self.stream.isatty():
+        if not self.stream.isatty():
+            print(title, file=self.stream, flush=True)  # what the bar's label says on a terminal
+        else:
             try:
                 from rich.console import Console
                 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
             except ImportError:  # rich is optional: fall back to plain lines
+                print(title, file=self.stream, flush=True)
                 return
             self._progress = Progress(
                 TextColumn("[bold]{task.description}"),
