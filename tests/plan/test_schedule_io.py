@@ -114,6 +114,13 @@ def test_bad_files(tmp_path: Path) -> None:
     other_json.write_text('{"format": "something else"}')
     with pytest.raises(ScheduleError, match="not a pipetrain schedule"):
         Schedule.load(other_json)
+    trace = tmp_path / "zbv.json"  # what `pipetrain simulate --trace zbv.json` writes
+    from pipetrain.plan import build_schedule, simulate
+    from pipetrain.plan.trace import write_chrome_trace
+
+    write_chrome_trace(simulate(build_schedule("1F1B", 2, 2)).timeline, trace)
+    with pytest.raises(ScheduleError, match="not a pipetrain schedule but a Chrome trace"):
+        Schedule.load(trace)
 
 
 CELL_TOKENS = [

@@ -429,6 +429,11 @@ class Schedule:
         ``version`` must be one this code writes (a missing one counts as the current). A declared
         ``num_ranks`` is kept, also for ranks that have no actions, and bounds the ranks named.
         """
+        if isinstance(data, Mapping) and "traceEvents" in data:
+            raise ScheduleError(
+                "not a pipetrain schedule but a Chrome trace (open it in https://ui.perfetto.dev); "
+                "a schedule is written by --csv/--json"
+            )
         if not isinstance(data, Mapping) or data.get("format") != _JSON_FORMAT:
             raise ScheduleError(f'not a pipetrain schedule: expected an object with "format": "{_JSON_FORMAT}"')
         version = data.get("version", _JSON_VERSION)
