@@ -272,6 +272,18 @@ def test_every_costs_command_reads_a_costs_file(
     assert "not allowed with argument" in capsys.readouterr().err
 
 
+def test_a_profile_for_other_stages_is_named_with_its_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "costs.txt"
+    path.write_bytes(b"\xef\xbb\xbf" + b"f=1:1:1:1,b=2:2:2:2\n")  # with a UTF-8 BOM, as Notepad writes
+    code, out, err = run(capsys, "simulate", "1F1B", "-p", "2", "-m", "4", "--from-profile", str(path))
+    assert code == 1 and out == ""
+    assert f"--from-profile {path}: cost f gives 4 per-stage values, but the schedule has 2 stages" in err, err
+    assert "-v" in err
+    assert (
+        run(capsys, "simulate", "Interleaved1F1B", "-p", "2", "-m", "4", "-v", "2", "--from-profile", str(path))[0] == 0
+    )
+
+
 def test_per_stage_costs_of_different_lengths_are_named(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     path = tmp_path / "costs.txt"
     path.write_text("f=1:1:1,b=2:2:2:2\n")

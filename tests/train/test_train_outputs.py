@@ -75,7 +75,9 @@ def test_summary_files_from_a_measured_step(tmp_path: Path) -> None:
     assert costs.f == costs.b == (0.5, 0.5) and costs.comm == 0.0
     assert summary["costs"] == (tmp_path / "costs.txt").read_text().strip()
     # The schedule it trained, as a file train --schedule takes.
-    assert Schedule.from_csv(tmp_path / "schedule.csv").actions == plan.actions
+    kept = Schedule.load(tmp_path / "schedule.json")
+    assert kept.actions == plan.actions and kept.name == "GPipe"
+    assert f"--schedule {tmp_path / 'schedule.json'}" in (tmp_path / "summary.md").read_text()
     assert "auto" not in summary
 
 
@@ -97,3 +99,17 @@ def test_ranks_of_one_machine_share_the_timeline_zero_and_strangers_do_not() -> 
     starts = {e.rank: e.start for e in on_one_axis(parts)}
     assert starts[0] == pytest.approx(0.0002, abs=1e-9) and starts[1] == pytest.approx(0.0005, abs=1e-9)
     assert starts[2] == pytest.approx(0.0001, abs=1e-6) and starts[3] == 0.25
+
+
+def test_a_measured_step_without_a_plain_forward_still_leaves_its_summary(tmp_path: Path) -> None:
+    """(A custom schedule whose every F sits inside an OVERLAP_F_B, say.) No costs to take from it:
+    no costs.txt and no simulation, but the summary and the schedule are written."""
+    plan = build_schedule("GPipe", 2, 2)
+    measured = Timeline(2, [TimelineEvent(0, "0W0", "W", 0, 0, 0.0, 0.5)], source="measured", unit="s")
+    result = SimpleNamespace(losses=[5.0, 4.0], step_times=[0.5, 0.25])
+    cfg = SimpleNamespace(schedule="GPipe", steps=2, batch_size=4, model="tiny", device="cpu")
+    write_outputs(tmp_path, plan, measured, result, cfg, tokens_per_step=128)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["costs"].startswith("not measured: ") and "forward" in summary["costs"]
+    assert not (tmp_path / "costs.txt").exists() and "simulated_step_s" not in summary
+    assert (tmp_path / "schedule.json").exists()

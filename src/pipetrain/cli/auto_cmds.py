@@ -30,6 +30,7 @@ def register(subparsers: Any) -> None:
     costs.add_argument(
         "--costs",
         default="f=1,b=2",
+        metavar="SPEC",
         help="durations of one rank's share of the model, e.g. f=1,b=2,i=1,w=1,comm=0.1: a schedule with v "
         "stages per rank runs each stage in 1/v of them, so every candidate runs the same model; or one value "
         "per stage with ':' (e.g. f=2:1:1:2), which fixes the number of stages and makes every number per stage, "

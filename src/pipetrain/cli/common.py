@@ -132,7 +132,7 @@ def read_costs_file(path: str, flag: str = "--from-profile") -> Costs:
     """The costs in a costs file (``f=...,b=...`` as ``--costs`` takes them; ``#`` lines and blank
     lines skipped, lines joined), or a one-line error naming the file."""
     try:
-        with open(path, encoding="utf-8") as handle:
+        with open(path, encoding="utf-8-sig") as handle:  # (a BOM, as some Windows editors write, is skipped)
             lines = handle.read().splitlines()
     except OSError as exc:
         raise ScheduleError(f"{flag} {path}: cannot read it ({exc.strerror})") from None

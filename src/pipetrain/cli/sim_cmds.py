@@ -27,7 +27,6 @@ from pipetrain.plan.simulate import SimResult, simulate
 def _add_costs_argument(parser: argparse.ArgumentParser, meaning: str) -> None:
     """``--costs SPEC`` or ``--from-profile FILE``; ``meaning`` says what the numbers describe here."""
     group = parser.add_mutually_exclusive_group()
-    group.add_argument("--from-profile", metavar="FILE", help=PROFILE_HELP)
     group.add_argument(
         "--costs",
         default="",
@@ -35,6 +34,7 @@ def _add_costs_argument(parser: argparse.ArgumentParser, meaning: str) -> None:
         help="durations and latency, e.g. f=1,b=2,i=1,w=1,comm=0 (per-stage values with ':', e.g. f=2:1:1:2; "
         "also overlap=0..1 for F&B pairs, bytes=... per activation); " + meaning,
     )
+    group.add_argument("--from-profile", metavar="FILE", help=PROFILE_HELP + "; its stage count must be the schedule's")
 
 
 def register(subparsers: Any) -> None:
@@ -98,9 +98,14 @@ def _simulate(args: argparse.Namespace) -> int:
         if args.lowered and not schedule.is_lowered:
             schedule = schedule.lower()
         result = simulate(schedule, costs)
-    except ScheduleError as err:  # a broken or deadlocking file: say which file
+    except ScheduleError as err:  # a broken or deadlocking file, or costs for other stages: say which file
         if is_schedule_file(args.schedule):
             raise ScheduleError(f"{args.schedule}: {err}") from None
+        if args.from_profile is not None and "per-stage values" in str(err):
+            raise ScheduleError(
+                f"--from-profile {args.from_profile}: {err} (give the stages per rank with -v, or simulate "
+                "the schedule the profile ran)"
+            ) from None
         raise
     written = _write_pictures(result, pictures, trace)
     if args.json:

@@ -432,7 +432,7 @@ class Schedule:
         if isinstance(data, Mapping) and "traceEvents" in data:
             raise ScheduleError(
                 "not a pipetrain schedule but a Chrome trace (open it in https://ui.perfetto.dev); "
-                "a schedule is written by --csv/--json"
+                "schedules are written by `pipetrain export` and `pipetrain plan --csv/--json`"
             )
         if not isinstance(data, Mapping) or data.get("format") != _JSON_FORMAT:
             raise ScheduleError(f'not a pipetrain schedule: expected an object with "format": "{_JSON_FORMAT}"')

@@ -163,8 +163,9 @@ def _train(env: DistEnv, cfg: TrainConfig, device: torch.device) -> TrainResult 
     reporter = (
         StepReporter(
             cfg.steps,
-            title=f"{schedule.name or 'schedule'} × {env.world_size} ranks, {num_stages} stages, "
-            f"{schedule.num_microbatches} microbatches, batch {cfg.batch_size}, model {cfg.model} on {cfg.device}",
+            title=f"{schedule.name or 'schedule'} × {_count(env.world_size, 'rank')}, {_count(num_stages, 'stage')}, "
+            f"{_count(schedule.num_microbatches, 'microbatch')}, batch {cfg.batch_size}, model {cfg.model} on "
+            f"{cfg.device}" + (" (profiled, then the plan)" if is_auto(cfg.schedule) else ""),
         )
         if reporting
         else None
@@ -339,6 +340,10 @@ def _line_up(auto: bool, profile: list[Any], step: int, steps: int) -> bool:
     if measuring or step == steps - 1:
         dist.barrier()
     return measuring
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "es" if noun.endswith("h") else "s")
 
 
 def _profiled(

@@ -1,8 +1,9 @@
 """What ``pipetrain train`` leaves in ``--out``: the last step measured beside its simulation.
 
 The simulation uses the schedule that ran and a cost model taken from the measurement itself
-(mean seconds of F, B, I and W per stage), so the two pictures share a unit and differ only
-by what the cost model leaves out: communication, waiting and per-action overhead.
+(each stage's median F, B, I and W seconds and the median message latency, as ``pipetrain
+profile`` measures them), so the two pictures share a unit and differ only by what the cost
+model leaves out: time spent sending, waits beyond the latency, per-action overhead.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from pipetrain.plan.costs import Costs
+from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.measure import costs_from_timelines
 from pipetrain.plan.schedule import Schedule
 from pipetrain.plan.timeline import Timeline
@@ -89,9 +91,10 @@ def write_outputs(
     plan_summary = getattr(result, "plan_summary", None)
     if plan_summary:
         summary["auto"] = plan_summary
-    # The schedule the last step trained with: `pipetrain train --schedule schedule.csv` trains it again.
-    schedule.to_csv(out / "schedule.csv")
-    written.append(out / "schedule.csv")
+    # The schedule the last step trained with (JSON keeps its name): `--schedule FILE` trains it again.
+    schedule.to_json(out / "schedule.json")
+    written.append(out / "schedule.json")
+    summary["schedule_file"] = str(out / "schedule.json")
     simulated = None
     if measured is not None:
         measured.title = f"{schedule.name or 'schedule'}: measured last step ({cfg.device})"
@@ -99,12 +102,17 @@ def write_outputs(
         written.append(out / "measured_timeline.json")
         written += _draw([measured], out / "measured_timeline.png")
         written += _trace(measured, out / "measured_trace.json")
-        costs = _measured_costs(schedule, measured)
-        # For `pipetrain plan --costs` / `simulate --costs`: plan for what this job measured.
-        (out / "costs.txt").write_text(f"{costs}\n", encoding="utf-8")
-        written.append(out / "costs.txt")
-        summary["costs"] = str(costs)
-        simulated = _simulate(schedule, costs)
+        try:
+            costs: Costs | None = _measured_costs(schedule, measured)
+        except ScheduleError as err:  # e.g. every F inside an OVERLAP_F_B: no plain F to time
+            costs = None
+            summary["costs"] = f"not measured: {err}"
+        if costs is not None:
+            # For `--from-profile` in plan, simulate and compare: plan for what this job measured.
+            (out / "costs.txt").write_text(f"{costs}\n", encoding="utf-8")
+            written.append(out / "costs.txt")
+            summary["costs"] = str(costs)
+            simulated = _simulate(schedule, costs)
         summary["measured_step_s"] = measured.makespan
         summary["measured_bubble"] = bubble_fraction(measured)
     if measured is not None and simulated is not None:
@@ -136,7 +144,8 @@ def _summary_md(s: dict[str, Any]) -> str:
     ]
     if s.get("auto"):
         lines += [f"Planned from the profiled steps (`--schedule auto`): {s['auto']}", ""]
-    lines += ["The schedule of the last step is in schedule.csv (`pipetrain train --schedule schedule.csv`).", ""]
+    if s.get("schedule_file"):
+        lines += [f"The last step's schedule: `pipetrain train --schedule {s['schedule_file']}` runs it again.", ""]
     if "measured_step_s" in s:
         lines += ["| last step | step time | bubble |", "|---|---|---|"]
         lines.append(f"| measured | {s['measured_step_s'] * 1e3:.1f} ms | {s['measured_bubble']:.1%} |")
