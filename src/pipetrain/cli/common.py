@@ -128,9 +128,10 @@ PROFILE_HELP = (
 )
 
 
-def read_costs_file(path: str, flag: str = "--from-profile") -> Costs:
-    """The costs in a costs file (``f=...,b=...`` as ``--costs`` takes them; ``#`` lines and blank
-    lines skipped, lines joined), or a one-line error naming the file."""
+def read_costs_file(path: str) -> Costs:
+    """The costs in a ``--from-profile`` file (``f=...,b=...`` as ``--costs`` takes them; ``#``
+    lines and blank lines skipped, lines joined), or a one-line error naming the file."""
+    flag = "--from-profile"
     try:
         with open(path, encoding="utf-8-sig") as handle:  # (a BOM, as some Windows editors write, is skipped)
             lines = handle.read().splitlines()

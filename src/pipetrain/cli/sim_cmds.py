@@ -94,18 +94,21 @@ def _simulate(args: argparse.Namespace) -> int:
         require("matplotlib", "simulate", "--" + "/--".join(fmt for _, fmt in pictures))
     schedule = schedule_from_args(args.schedule, args)
     costs = _costs(args)
-    try:
-        if args.lowered and not schedule.is_lowered:
-            schedule = schedule.lower()
-        result = simulate(schedule, costs)
-    except ScheduleError as err:  # a broken or deadlocking file, or costs for other stages: say which file
-        if is_schedule_file(args.schedule):
-            raise ScheduleError(f"{args.schedule}: {err}") from None
-        if args.from_profile is not None and "per-stage values" in str(err):
+    if args.from_profile is not None:  # a profile's per-stage costs fix a stage count: say whose
+        try:
+            costs.per_stage("f", schedule.num_stages)
+        except ScheduleError as err:
             raise ScheduleError(
                 f"--from-profile {args.from_profile}: {err} (give the stages per rank with -v, or simulate "
                 "the schedule the profile ran)"
             ) from None
+    try:
+        if args.lowered and not schedule.is_lowered:
+            schedule = schedule.lower()
+        result = simulate(schedule, costs)
+    except ScheduleError as err:  # a broken or deadlocking file: say which file
+        if is_schedule_file(args.schedule):
+            raise ScheduleError(f"{args.schedule}: {err}") from None
         raise
     written = _write_pictures(result, pictures, trace)
     if args.json:

@@ -128,7 +128,8 @@ def _train(args: argparse.Namespace) -> int:
     require("torch", "train")
     from pipetrain.errors import PipelineError
     from pipetrain.plan.schedule import Schedule, is_schedule_file
-    from pipetrain.train.launch import spawn, torchrun_env
+    from pipetrain.train.auto import is_auto
+    from pipetrain.train.launch import no_cuda_reason, spawn, torchrun_env
     from pipetrain.train.loop import TrainConfig, plan_for, run_rank
 
     for name in ("ranks", "stages_per_rank", "microbatches", "steps", "batch_size", "checkpoint_every"):
@@ -203,7 +204,7 @@ def _train(args: argparse.Namespace) -> int:
         folder = os.path.dirname(os.path.abspath(args.costs_out))
         if os.path.isdir(args.costs_out) or not os.path.isdir(folder):
             raise PipelineError(f"--costs-out {args.costs_out}: give a file in an existing directory")
-    if args.schedule.strip().lower() == "auto" and args.steps < 2:
+    if is_auto(args.schedule) and args.steps < 2:
         raise PipelineError(
             "--schedule auto needs --steps 2 at least: it measures the first steps (up to 3, never the last), "
             "then trains on with the plan"
@@ -221,8 +222,6 @@ def _train(args: argparse.Namespace) -> int:
     plan_for(cfg, cfg.ranks)
     if cfg.device == "cuda":
         import torch
-
-        from pipetrain.train.launch import no_cuda_reason
 
         if not torch.cuda.is_available():
             raise PipelineError(f"--device cuda, but {no_cuda_reason()}")
