@@ -78,3 +78,46 @@ def test_runtime_vs_torch_on_one_rank_holding_every_stage() -> None:
     rows = [line.split() for line in done.stdout.splitlines() if line.startswith("small")]
     assert [row[2] for row in rows] == names, done.stdout
     assert all(float(row[-2]) > 0 for row in rows)  # a ratio of two measured times
+
+
+def test_plan_speed_floor_runs_and_its_loops_do_the_work(capsys: pytest.CaptureFixture[str]) -> None:
+    """The floor script (issue 14's speed bar beside the least pure Python can spend) at a small size."""
+    import sys
+
+    import plan_speed_floor
+
+    argv = sys.argv
+    sys.argv = ["plan_speed_floor.py", "--no-torch", "--repeat", "1", "--ranks", "4", "--microbatches", "8"]
+    try:
+        plan_speed_floor.main()
+    finally:
+        sys.argv = argv
+    out = capsys.readouterr().out
+    assert "4 × 2 × 8: 192 actions" in out
+    assert "| **all four** |" in out
+    for step in ("build", "validate", "lower", "validate lowered"):
+        assert f"| {step} |" in out
+
+
+def test_plan_speed_floor_loops_rebuild_what_pipetrain_builds() -> None:
+    """The floor's message loop makes the lowered programs' SEND/RECV; its run reaches every part."""
+    import plan_speed_floor
+    from pipetrain.plan import build_schedule
+    from pipetrain.plan.dependencies import C_F, C_I, C_W, Dependencies
+
+    s = build_schedule("ZBVZeroBubble", 4, 8, 2)
+    low = s.lower()
+    M = s.num_microbatches
+    SM = s.num_stages * M
+    rank_of = [s.stage_to_rank[t] for t in range(s.num_stages)]
+    base = {"F": 0, "I": SM, "W": 2 * SM}
+    programs = [
+        [base[a.kind.value] + a.stage * M + a.microbatch for a in s.actions[r] if a and a.kind.value != "W"]
+        for r in range(4)
+    ]  # type: ignore[operator]
+    need1, need2 = Dependencies(s.num_stages, M, rank_of, lowered=False).flat_needs((C_F, C_I, C_W))
+    end = plan_speed_floor.run(programs, need1, need2)
+    assert all(end[x] > 0 for row in programs for x in row)
+    lowered_rows = [list(low.actions[r]) for r in range(4)]
+    computes = [[a for a in s.actions[r] if a] for r in range(4)]
+    assert plan_speed_floor.messages(*plan_speed_floor.message_plan(lowered_rows), computes) == lowered_rows
