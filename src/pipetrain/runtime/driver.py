@@ -319,14 +319,11 @@ class StepDriver:
 
     def _takes_target(self, given: Any, train: bool, name: str, given_as: str) -> bool:
         """Whether this caller computes losses against ``given`` (``target`` or ``target_mbs``, the
-        argument ``name``); an error where it was given off the last stage's rank, or not where needed."""
+        argument ``name``); an error where it is needed and missing. Off the last stage's rank a
+        target is ignored, as torch does (and as inputs are off the first stage's): a script that
+        passes it on every rank runs unchanged."""
         last = self.num_stages - 1
         if not self.has_last_stage:
-            if given is not None:
-                raise PipelineError(
-                    f"{self._where()}: step() was given {given_as}, but this rank does not hold the last stage "
-                    f"({last}), which computes the loss: pass {name} only on the rank that holds it"
-                )
             return False
         if self._loss_fn is None or (not train and given is None):
             return False
