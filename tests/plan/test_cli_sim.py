@@ -33,10 +33,54 @@ def test_simulate_json(capsys: pytest.CaptureFixture[str]) -> None:
     )
     assert code == 0
     data = json.loads(out)
-    expect = simulate(build_schedule("ZBVZeroBubble", 4, 8), Costs(f=1, i=1, w=1, comm=0.5))
+    # Plain numbers are one rank's share: ZB-V's two stages per rank take half each.
+    expect = simulate(build_schedule("ZBVZeroBubble", 4, 8), Costs(f=0.5, i=0.5, w=0.5, comm=0.5))
     assert data["makespan"] == expect.makespan
     assert data["peak_memory"] == {str(r): v for r, v in expect.peak_memory.items()}
-    assert data["schedule"] == "ZBVZeroBubble" and data["costs"].endswith("comm=0.5")
+    assert data["schedule"] == "ZBVZeroBubble" and data["costs"] == str(expect.costs)
+    assert data["costs_given"] == "f=1,b=2,i=1,w=1,comm=0.5"
+
+
+@pytest.mark.parametrize("costs", ["f=1,b=2", "f=1,i=1,w=1,comm=0.5,bytes=10", "f=1:1:2:1:1:1:1:1,b=2,comm=0.1"])
+def test_costs_mean_the_same_in_simulate_compare_and_plan(capsys: pytest.CaptureFixture[str], costs: str) -> None:
+    """DESIGN §4: --costs means the same thing in every command. simulate's makespan of each
+    schedule is compare's row for it, and plan's line for it."""
+    code, out, _ = run(capsys, "compare", "-p", "4", "-m", "8", "--costs", costs, "--json")
+    assert code == 0
+    rows = {row["schedule"]: row for row in json.loads(out) if "makespan" in row}
+    per_stage = ":" in costs
+    code, plan_out, _ = run(
+        capsys, "plan", "-p", "4", "-m", "8", "--costs", costs, "--time-limit", "0.5", "--top", "20"
+    )
+    assert code == 0
+    planned = {  # "  Name v makespan bubble memory fits"
+        (cells[0], int(cells[1])): float(cells[2])
+        for cells in (line.split() for line in plan_out.splitlines() if line.startswith("  ") and "%" in line)
+    }
+    simulated, in_plan = 0, 0
+    for name, row in rows.items():
+        if per_stage and row["stages"] != 8:
+            continue  # (eight per-stage values fix eight stages)
+        code, out, _ = run(capsys, "simulate", name, "-p", "4", "-m", "8", "--costs", costs, "--json")
+        assert code == 0, name
+        assert json.loads(out)["makespan"] == row["makespan"], name
+        key = (name, row["stages"] // 4)
+        simulated += 1
+        if key in planned:
+            assert f"{planned[key]:.4g}" == f"{row['makespan']:.4g}", name
+            in_plan += 1
+    assert simulated >= (5 if per_stage else 9) and in_plan >= (5 if per_stage else 8)
+
+
+def test_simulate_says_plain_costs_are_a_ranks_share(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "simulate", "ZBVZeroBubble", "-p", "4", "-m", "8", "--costs", "f=1,b=2")
+    assert code == 0
+    assert "costs: f=1,b=2,i=1,w=1,comm=0 for one rank's share of the model, so each of its 2 stages takes " in out
+    assert "makespan 25.5" in out
+    code, out, _ = run(capsys, "simulate", "1F1B", "-p", "4", "-m", "8", "--costs", "f=1,b=2")
+    assert code == 0
+    assert "costs: f=1,b=2,i=1,w=1,comm=0\n" in out
+    assert "share" not in out  # one stage per rank: the share is the stage
 
 
 def test_simulate_lowered_csv_file_and_outputs(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

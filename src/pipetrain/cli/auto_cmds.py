@@ -120,7 +120,7 @@ def _plan(args: argparse.Namespace) -> int:
         )
     else:
         print(f"{named.name} stays the best: nothing constructed in {args.time_limit:g} s beat it")
-    # simulate takes costs per stage and counts stage activations: say what reproduces these numbers.
+    # simulate counts stage activations: say what its numbers are in these units.
     activations = (
         f"its memory {found.memory:g} is {found.memory * v:g} stage activations, as simulate counts"
         if costs.activation_bytes is None and v > 1
@@ -133,7 +133,7 @@ def _plan(args: argparse.Namespace) -> int:
     if target is not None:
         path = write_schedule(chosen, target)
         print(f"wrote {path}")
-        print(f"check it: pipetrain simulate {path} --costs '{stage_costs}'")
+        print(f"check it: pipetrain simulate {path} --costs '{costs}'")
     return 0
 
 

@@ -23,6 +23,12 @@ from pipetrain.plan.generators import build_schedule, schedule_names
 from pipetrain.plan.schedule import Schedule, is_schedule_file
 from pipetrain.plan.simulate import SimResult, simulate
 
+_SHARE_MEANING = (
+    "as in plan and compare, plain numbers are one rank's share of the model: a schedule with V stages per "
+    "rank runs each stage in 1/V of them; with any ':' per-stage value every number is per stage, plain ones "
+    "included, and the number of stages is fixed"
+)
+
 
 def _add_costs_argument(parser: argparse.ArgumentParser, meaning: str) -> None:
     """``--costs SPEC`` or ``--from-profile FILE``; ``meaning`` says what the numbers describe here."""
@@ -46,11 +52,7 @@ def register(subparsers: Any) -> None:
         "idle share (bubble) and peak activations per rank; optionally draw its timeline (--png/--svg, needs "
         "matplotlib) or write a Chrome trace.",
     )
-    _add_costs_argument(
-        sim,
-        "costs are per stage: every stage of this schedule takes them as given (compare and plan read plain "
-        "numbers as one rank's share instead, and print the per-stage costs to use here)",
-    )
+    _add_costs_argument(sim, _SHARE_MEANING)
     sim.add_argument("--lowered", action="store_true", help="simulate the lowered schedule (with SEND/RECV)")
     add_output_argument(sim, "png", "write the timeline picture as PNG")
     add_output_argument(sim, "svg", "write the timeline picture as SVG")
@@ -70,12 +72,7 @@ def register(subparsers: Any) -> None:
         "one table row each: makespan, bubble, ratio to 1F1B, peak activations, messages sent.",
     )
     add_size_arguments(cmp, required=True)
-    _add_costs_argument(
-        cmp,
-        "costs are for one rank's share of the model (a schedule with V stages per rank gets costs/V per stage, "
-        "so every row runs the same model); with any ':' per-stage value every number is per stage, plain ones "
-        "included, and the number of stages is fixed",
-    )
+    _add_costs_argument(cmp, _SHARE_MEANING + "; so every row runs the same model")
     add_output_argument(cmp, "png", "write one PNG picture stacking every schedule's timeline")
     cmp.add_argument("--json", action="store_true", help="print the rows as JSON on stdout")
     cmp.set_defaults(func=_compare)
@@ -93,7 +90,8 @@ def _simulate(args: argparse.Namespace) -> int:
     if pictures:
         require("matplotlib", "simulate", "--" + "/--".join(fmt for _, fmt in pictures))
     schedule = schedule_from_args(args.schedule, args)
-    costs = _costs(args)
+    given = _costs(args)
+    costs = given.cut_into(schedule.num_stages / schedule.num_ranks)  # (plain numbers: one rank's share)
     if args.from_profile is not None:  # a profile's per-stage costs fix a stage count: say whose
         try:
             costs.per_stage("f", schedule.num_stages)
@@ -112,9 +110,9 @@ def _simulate(args: argparse.Namespace) -> int:
         raise
     written = _write_pictures(result, pictures, trace)
     if args.json:
-        print(json.dumps(result.summary(), indent=1))
+        print(json.dumps({**result.summary(), "costs_given": str(given)}, indent=1))
         return 0
-    print(_describe(result))
+    print(_describe(result, given))
     if args.grid:
         from pipetrain.plan.render import format_time_grid
 
@@ -140,10 +138,16 @@ def _write_pictures(result: SimResult, pictures: list[tuple[str, str]], trace: s
     return written
 
 
-def _describe(r: SimResult) -> str:
+def _describe(r: SimResult, given: Costs) -> str:
+    per_rank = r.num_stages / r.num_ranks
+    costs = (
+        f"costs: {r.costs}"
+        if given == r.costs
+        else f"costs: {given} for one rank's share of the model, so each of its {per_rank:g} stages takes {r.costs}"
+    )
     lines = [
         r.title,
-        f"costs: {r.costs}{' (lowered schedule)' if r.lowered else ''}",
+        costs + (" (lowered schedule)" if r.lowered else ""),
         f"makespan {r.makespan:g} (lower bound {r.lower_bound:g}), bubble {100 * r.bubble:.1f}%",
         f"{'rank':>4}  {'busy':>8}  {'idle':>8}  {'peak act.':>9}  {'at time':>8}",
     ]
