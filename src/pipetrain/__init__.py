@@ -60,3 +60,8 @@ def __getattr__(name: str) -> Any:
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
+
+
+def __dir__() -> list[str]:
+    """The lazily imported names too (``dir(pipetrain)``, tab completion)."""
+    return sorted({*globals(), *_LAZY})

@@ -16,7 +16,8 @@ from typing import Any, ClassVar
 import torch.distributed as dist
 
 from pipetrain.errors import PipelineError
-from pipetrain.plan import ActionKind, ScheduleError, build_schedule
+from pipetrain.plan import Action, ActionKind, ScheduleError, build_schedule
+from pipetrain.plan import Schedule as PlanSchedule
 from pipetrain.plan.generators import ScheduleFamily, family, schedule_names
 from pipetrain.runtime import LossFn, PipelineScheduleRuntime, announce_failure, read_torch_csv
 from pipetrain.runtime.custom import CustomAction, PipelineContext
@@ -35,6 +36,9 @@ __all__ = [
     "SEND_B",
     "SEND_F",
     "UNSHARD",
+    "B",
+    "F",
+    "I",
     "PipelineScheduleMulti",
     "PipelineScheduleSingle",
     "Schedule1F1B",
@@ -48,6 +52,7 @@ __all__ = [
     "ScheduleZBH1",
     "ScheduleZBH2",
     "ScheduleZBVZeroBubble",
+    "W",
     "get_schedule_class",
 ]
 
@@ -65,10 +70,47 @@ SEND_B = ActionKind.SEND_B
 RECV_B = ActionKind.RECV_B
 OVERLAP_F_B = ActionKind.OVERLAP_F_B
 REDUCE_GRAD = ActionKind.REDUCE_GRAD
+F, B, I, W = FORWARD, FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT  # noqa: E741 - torch's short names
 _Action = CustomAction
 """torch's action type: pipetrain's Action, also readable as ``stage_index``, ``computation_type``, ``microbatch_index``."""
 _PipelineContext = PipelineContext
 """What a function registered with ``register_custom_function`` gets besides its action."""
+
+
+def _format_pipeline_order(pipeline_order: dict[int, list[Any]], error_step_number: int | None = None) -> str:
+    """torch's debugging helper: a steps × ranks grid of ``pipeline_order`` (``{rank: [action or
+    None, ...]}``), the step ``error_step_number`` marked. Any order prints, sound or not."""
+    ranks = sorted(pipeline_order)
+    steps = max((len(pipeline_order[r]) for r in ranks), default=0)
+    label = len(str(max(steps - 1, 0)))
+    rows = [[""] + [f"Rank {r}" for r in ranks]]
+    for step in range(steps):
+        cells = [pipeline_order[r][step] if step < len(pipeline_order[r]) else None for r in ranks]
+        rows.append([f"Step {step:0{label}d}"] + ["" if a is None else str(a) for a in cells])
+    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
+    lines = [" ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    if error_step_number is not None and 0 <= error_step_number < steps:
+        lines[error_step_number + 1] += "  <-- ERROR HERE"
+    return "\n".join(lines)
+
+
+def _validate_schedule(
+    actions: dict[int, list[Any]], pp_group_size: int, num_stages: int, num_microbatches: int
+) -> dict[int, int]:
+    """torch's check of a compute order, here pipetrain's (which also finds deadlocks): the
+    stage → rank mapping, or AssertionError (torch's type) with pipetrain's message and the grid."""
+    if len(actions) != pp_group_size or sorted(actions) != list(range(pp_group_size)):
+        raise AssertionError(f"the schedule has ranks {sorted(actions)}, expected 0..{pp_group_size - 1}")
+    try:
+        schedule = PlanSchedule(
+            {r: [None if a is None else Action.parse(str(a)) for a in row] for r, row in actions.items()},
+            num_stages=num_stages,
+            num_microbatches=num_microbatches,
+        )
+        schedule.validate()
+    except ScheduleError as err:
+        raise AssertionError(f"{err}\n\nFull pipeline schedule:\n{_format_pipeline_order(actions)}") from None
+    return dict(schedule.stage_to_rank)
 
 
 def _wait_batch_p2p(work: Any) -> None:

@@ -280,3 +280,21 @@ def test_saved_tensors_are_tracked_only_where_the_backward_is_split(
     )
     pipe.step(torch.randn(8, 4), target=torch.randn(8, 4))
     assert seen and set(seen) == {tracked}
+
+
+def test_every_error_a_user_is_told_about_is_a_pipeline_error() -> None:
+    """DESIGN §3: ``except PipelineError`` catches every error a user is told to catch, the
+    planning layer's ScheduleError (still a ValueError) included."""
+    from pipetrain import PipelineError as TopLevel
+    from pipetrain.plan import ScheduleError
+
+    assert (
+        TopLevel is PipelineError and issubclass(ScheduleError, PipelineError) and issubclass(ScheduleError, ValueError)
+    )
+    layers = make_layers("mlp", 2)
+    for bad in ({"schedule": "NoSuchSchedule"}, {"schedule": "1F1B", "n_microbatches": 0}):
+        kwargs: dict[str, Any] = {"n_microbatches": 4, "loss_fn": nn.functional.mse_loss, "num_ranks": 2, **bad}
+        with pytest.raises(PipelineError, match="NoSuchSchedule|microbatch"):
+            LocalPipeline(layers, kwargs.pop("schedule"), **kwargs)
+    with pytest.raises(PipelineError, match="cannot parse action"):
+        Schedule.from_csv_text("0F0,0X0\n")

@@ -89,3 +89,28 @@ def test_the_names_mean_what_they_mean_in_torch() -> None:
     )
     assert pt_stage._normalize_model_output_as_tuple([1, 2]) == (1, 2)
     assert pt_stage._normalize_model_output_as_tuple(3) == (3,)
+
+
+def test_torch_schedule_helpers_read_and_check_orders_as_torch_does() -> None:
+    """``F``/``B``/``I``/``W``, ``_format_pipeline_order`` and ``_validate_schedule`` of torch's
+    schedules module: same kinds, a grid naming ranks and steps, the same stage → rank mapping,
+    and AssertionError (torch's type) for an order that cannot run."""
+    s = pt_schedules
+    for short in ("F", "B", "I", "W"):
+        assert getattr(s, short).value == getattr(torch_schedules, short).value, short
+    order = {
+        r: [torch_schedules._Action.from_str(a) if a else None for a in row]
+        for r, row in {0: ["0F0", "0F1", "", "0B0", "0B1"], 1: ["", "1F0", "1B0", "1F1", "1B1"]}.items()
+    }
+    assert s._validate_schedule(order, 2, 2, 2) == torch_schedules._validate_schedule(order, 2, 2, 2) == {0: 0, 1: 1}
+    grid = s._format_pipeline_order(order, error_step_number=2)
+    lines = grid.splitlines()
+    assert lines[0].split() == ["Rank", "0", "Rank", "1"]
+    assert lines[1].split() == ["Step", "0", "0F0"] and lines[3].endswith("<-- ERROR HERE")
+    broken = {0: order[0][:3], 1: order[1]}  # rank 0 never runs its backwards
+    with pytest.raises(AssertionError):
+        torch_schedules._validate_schedule(broken, 2, 2, 2)
+    with pytest.raises(AssertionError, match=r"(?s)rank 0, step 0, action 0F0: has no backward.*Full pipeline schedule:.*Rank 0"):
+        s._validate_schedule(broken, 2, 2, 2)
+    with pytest.raises(AssertionError, match=r"expected 0\.\.2"):
+        s._validate_schedule(order, 3, 2, 2)
