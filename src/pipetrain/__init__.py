@@ -43,7 +43,7 @@ _LAZY = {
     "build_stage": "pipetrain.tracing",
     "Checkpointer": "pipetrain.checkpoint",
     "PipelineError": "pipetrain.errors",
-    "ScheduleError": "pipetrain.errors",
+    "ScheduleError": "pipetrain.plan.errors",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["PipelineError", "ScheduleError"]
+__all__ = ["PipelineError"]  # (ScheduleError: pipetrain.plan.errors; read here too, below)
 
 
 class PipelineError(RuntimeError):

@@ -129,3 +129,13 @@ def test_cli_plan_from_profile_constructs_where_no_named_schedule_fits(
     assert max(result["peak_memory_bytes"].values()) <= 4
     assert main(["plan", "-p", "4", "-m", "8", "--from-profile", str(tmp_path / "missing.txt")]) == 1
     assert "--from-profile" in capsys.readouterr().err
+
+
+def test_simulating_a_plan_with_its_costs_cut_into_stages_reproduces_its_memory() -> None:
+    """auto_schedule's plain costs are one rank's share; simulate's are per stage: cut_into bridges them."""
+    costs = Costs(f=1, b=2, i=1, w=1, comm=0.1, activation_bytes=1000)
+    best = auto_schedule(4, 8, costs, memory_limit=5000, time_limit=1)
+    v = best.num_stages / best.num_ranks
+    assert v > 1  # (the case where the units differ)
+    result = simulate(best, costs.cut_into(v))
+    assert result.peak_memory_bytes is not None and max(result.peak_memory_bytes.values()) <= 5000

@@ -294,7 +294,7 @@ def test_every_error_a_user_is_told_about_is_a_pipeline_error() -> None:
     layers = make_layers("mlp", 2)
     for bad in ({"schedule": "NoSuchSchedule"}, {"schedule": "1F1B", "n_microbatches": 0}):
         kwargs: dict[str, Any] = {"n_microbatches": 4, "loss_fn": nn.functional.mse_loss, "num_ranks": 2, **bad}
-        with pytest.raises(PipelineError, match="NoSuchSchedule|microbatch"):
+        with pytest.raises(PipelineError, match=r"NoSuchSchedule|microbatch"):
             LocalPipeline(layers, kwargs.pop("schedule"), **kwargs)
     with pytest.raises(PipelineError, match="cannot parse action"):
         Schedule.from_csv_text("0F0,0X0\n")

@@ -212,6 +212,11 @@ def auto_schedule(
     two); ``names`` restricts the named schedules considered. Raises ScheduleError when nothing
     fits, naming the least memory a layout needs.
 
+    Plain-number costs (and ``activation_bytes``) are one rank's share of the model, as in the
+    CLI; :func:`~pipetrain.plan.simulate` takes them per stage, so
+    ``simulate(best, costs.cut_into(best.num_stages / num_ranks))`` reproduces the search's
+    makespan and memory (per-stage sequences are per stage in both).
+
     Time: the named schedules are simulated first (zero-bubble families and 1 or 2 stages per rank
     first) for up to 0.4 of ``time_limit``; those not reached then are simulated after the
     construction, in time kept back for them at the rate of the first ones. A limit too short
