@@ -110,7 +110,9 @@ def test_torch_schedule_helpers_read_and_check_orders_as_torch_does() -> None:
     broken = {0: order[0][:3], 1: order[1]}  # rank 0 never runs its backwards
     with pytest.raises(AssertionError):
         torch_schedules._validate_schedule(broken, 2, 2, 2)
-    with pytest.raises(AssertionError, match=r"(?s)rank 0, step 0, action 0F0: has no backward.*Full pipeline schedule:.*Rank 0"):
+    with pytest.raises(
+        AssertionError, match=r"(?s)rank 0, step 0, action 0F0: has no backward.*Full pipeline schedule:.*Rank 0"
+    ):
         s._validate_schedule(broken, 2, 2, 2)
     with pytest.raises(AssertionError, match=r"expected 0\.\.2"):
         s._validate_schedule(order, 3, 2, 2)
