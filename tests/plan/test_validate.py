@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipetrain.plan import Action, ActionKind, Schedule, ScheduleError, build_schedule, schedule_names
+from pipetrain.plan import Action, ActionKind, Costs, Schedule, ScheduleError, build_schedule, schedule_names, simulate
 
 K = ActionKind
 
@@ -151,6 +151,31 @@ def test_overlap_f_b_dependencies() -> None:
     s.lower().validate()
     sched("(0F0;0B0)OVERLAP_F_B").validate()
     assert "deadlock" in rejected(sched("(0F0;0B0)OVERLAP_F_B", "(1F0;1B0)OVERLAP_F_B"))
+
+
+@pytest.mark.parametrize(
+    ("rows", "part", "needs", "maker"),
+    [
+        (("(0B0;0F0)OVERLAP_F_B",), "0B0", "0F0", "0F0"),
+        (("0F0 (0W0;0I0)OVERLAP_F_B",), "0W0", "0I0", "0I0"),
+        (("(1F0;0F0)OVERLAP_F_B 1B0 0B0",), "1F0", "0F0", "0F0"),
+        (("0F0 (0W0;0I0)OVERLAP_F_B", "1F0 1I0 1W0"), "0W0", "0I0", "0I0"),
+        (("0F0 0SEND_F0 0RECV_B0 (0W0;0I0)OVERLAP_F_B", "1RECV_F0 1F0 1I0 1SEND_B0 1W0"), "0W0", "0I0", "0I0"),
+    ],
+)
+def test_an_overlap_part_cannot_use_a_later_part(rows: tuple[str, ...], part: str, needs: str, maker: str) -> None:
+    """The parts of an OVERLAP_F_B run in order (the runtime runs them one after another): a part
+    that needs what a later part makes can never run. helper-22's fuzzing found these accepted.
+    lower() and simulate() refuse them with validate's words."""
+    message = rejected(sched(*rows))
+    assert WHERE.match(message), message
+    assert f"its part {part} needs {needs}, which its later part {maker} makes" in message
+    schedule = sched(*rows)
+    if not schedule.is_lowered:
+        with pytest.raises(ScheduleError, match="later part"):
+            schedule.lower()
+    with pytest.raises(ScheduleError, match="later part"):
+        simulate(schedule, Costs())
 
 
 # ------------------------------------------------------------------------ every generator, a grid

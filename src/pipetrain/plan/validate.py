@@ -1057,13 +1057,23 @@ def _run_overlap(
     done: bytearray,
     later: Callable[[int, int, Action, int], ScheduleError],
 ) -> tuple[int, list[int]]:
-    """Run an OVERLAP_F_B if every part's inputs are there (earlier parts count): (-1, the keys
-    it made); else (the key it waits on, [])."""
+    """Run an OVERLAP_F_B if every part's inputs are there (earlier parts count: the parts run in
+    order): (-1, the keys it made); else (the key it waits on, [])."""
     M, SM = index.ids.M, index.ids.SM
     own = [deps.part_makes(part)[0] for part in action.parts]
     received = RECEIVED * SM  # (a message is waited for as received: see _execute)
-    needs = [t for part in action.parts for t in deps.part_needs(part) if not SENT * SM <= t < received]
-    pending = [t for t in needs if not done[t] and t not in own]
+    pending = []
+    for k, part in enumerate(action.parts):
+        for t in deps.part_needs(part):
+            if SENT * SM <= t < received or done[t] or t in own[:k]:
+                continue
+            if t in own:  # made by this part or a later one: it can never be there in time
+                maker = action.parts[own.index(t)]
+                raise ScheduleError(
+                    f"{_where(rank, step, action)}: its part {part} needs {_node_name(index, t)}, which its later part "
+                    f"{maker} makes; an OVERLAP_F_B's parts run in order, so put {maker} first"
+                )
+            pending.append(t)
     for t in pending:
         if t < SENT * SM and index.rank_of[(t % SM) // M] == rank:
             raise later(rank, step, action, t)

@@ -172,15 +172,18 @@ def unit_time_run(schedule: Schedule) -> UnitRun:
 
 
 def _overlap_ready(parts: tuple[Action, ...], deps: Dependencies, end: list[int], t0: int) -> tuple[int, int]:
-    """(-1, start) if every part of an OVERLAP_F_B has its inputs (its own earlier parts count),
-    else (a key it waits for, t0)."""
+    """(-1, start) if every part of an OVERLAP_F_B has its inputs (its own earlier parts count:
+    the parts run in order), else (a key it waits for, t0). A part that needs a later part's
+    product is a breach."""
     own = [deps.part_makes(p)[0] for p in parts]
-    for p in parts:
+    for k, p in enumerate(parts):
         for key in deps.part_needs(p):
             e = end[key]
             if e < 0:
-                if key in own:
+                if key in own[:k]:
                     continue
+                if key in own:
+                    raise _BreachError
                 return key, t0
             if e > t0:
                 t0 = e
