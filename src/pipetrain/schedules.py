@@ -36,9 +36,6 @@ __all__ = [
     "SEND_B",
     "SEND_F",
     "UNSHARD",
-    "B",
-    "F",
-    "I",
     "PipelineScheduleMulti",
     "PipelineScheduleSingle",
     "Schedule1F1B",
@@ -52,7 +49,6 @@ __all__ = [
     "ScheduleZBH1",
     "ScheduleZBH2",
     "ScheduleZBVZeroBubble",
-    "W",
     "get_schedule_class",
 ]
 
@@ -70,7 +66,8 @@ SEND_B = ActionKind.SEND_B
 RECV_B = ActionKind.RECV_B
 OVERLAP_F_B = ActionKind.OVERLAP_F_B
 REDUCE_GRAD = ActionKind.REDUCE_GRAD
-F, B, I, W = FORWARD, FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT  # noqa: E741 - torch's short names
+# torch's short names, left out of __all__ as torch does (a star import must not replace a user's F)
+F, B, I, W = FORWARD, FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT  # noqa: E741
 _Action = CustomAction
 """torch's action type: pipetrain's Action, also readable as ``stage_index``, ``computation_type``, ``microbatch_index``."""
 _PipelineContext = PipelineContext

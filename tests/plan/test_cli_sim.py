@@ -9,6 +9,7 @@ import pytest
 
 from pipetrain.cli import main
 from pipetrain.cli.sim_cmds import compare_rows
+from pipetrain.plan import Action, Schedule
 from pipetrain.plan.costs import Costs
 from pipetrain.plan.generators import build_schedule, schedule_names
 from pipetrain.plan.simulate import simulate
@@ -70,6 +71,21 @@ def test_costs_mean_the_same_in_simulate_compare_and_plan(capsys: pytest.Capture
             assert f"{planned[key]:.4g}" == f"{row['makespan']:.4g}", name
             in_plan += 1
     assert simulated >= (5 if per_stage else 9) and in_plan >= (5 if per_stage else 8)
+
+
+def test_stages_spread_unevenly_take_plain_costs_per_stage(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Two stages on rank 0, one on rank 1: no whole number of stages per rank to cut a rank's
+    share into, so simulate (like compare) takes plain costs per stage, and says nothing of shares."""
+    s = Schedule(
+        {0: [Action.parse(a) for a in "0F0 1F0 1B0 0B0".split()], 1: [Action.parse(a) for a in "2F0 2B0".split()]}
+    )
+    path = tmp_path / "uneven.csv"
+    s.to_csv(path)
+    code, out, _ = run(capsys, "simulate", str(path), "--costs", "f=1,b=2,comm=0.5", "--json")
+    assert code == 0
+    assert json.loads(out)["makespan"] == simulate(s, Costs(f=1, b=2, comm=0.5)).makespan
+    code, out, _ = run(capsys, "simulate", str(path), "--costs", "f=1,b=2")
+    assert code == 0 and "share" not in out
 
 
 def test_simulate_says_plain_costs_are_a_ranks_share(capsys: pytest.CaptureFixture[str]) -> None:

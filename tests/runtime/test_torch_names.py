@@ -98,6 +98,7 @@ def test_torch_schedule_helpers_read_and_check_orders_as_torch_does() -> None:
     s = pt_schedules
     for short in ("F", "B", "I", "W"):
         assert getattr(s, short).value == getattr(torch_schedules, short).value, short
+        assert short not in s.__all__  # as in torch: `from ... import *` leaves a user's F alone
     order = {
         r: [torch_schedules._Action.from_str(a) if a else None for a in row]
         for r, row in {0: ["0F0", "0F1", "", "0B0", "0B1"], 1: ["", "1F0", "1B0", "1F1", "1B1"]}.items()

@@ -24,10 +24,17 @@ from pipetrain.plan.schedule import Schedule, is_schedule_file
 from pipetrain.plan.simulate import SimResult, simulate
 
 _SHARE_MEANING = (
-    "as in plan and compare, plain numbers are one rank's share of the model: a schedule with V stages per "
-    "rank runs each stage in 1/V of them; with any ':' per-stage value every number is per stage, plain ones "
-    "included, and the number of stages is fixed"
+    "as in plan and compare, plain f/b/i/w and bytes= are one rank's share of the model: a schedule with V "
+    "stages on every rank runs each stage in 1/V of them (stages spread unevenly take them per stage); with "
+    "any ':' per-stage value every number is per stage, plain ones included, and the number of stages is fixed"
 )
+
+
+def held_per_rank(schedule: Schedule) -> int:
+    """V when every rank holds V stages (plain costs are then cut into V), else 1: stages spread
+    unevenly, or a rank holding none, take plain costs per stage. One rule for simulate and compare."""
+    held = [len(schedule.stages_of(r)) for r in range(schedule.num_ranks)]
+    return held[0] if held and min(held) == max(held) > 0 else 1
 
 
 def _add_costs_argument(parser: argparse.ArgumentParser, meaning: str) -> None:
@@ -91,7 +98,7 @@ def _simulate(args: argparse.Namespace) -> int:
         require("matplotlib", "simulate", "--" + "/--".join(fmt for _, fmt in pictures))
     schedule = schedule_from_args(args.schedule, args)
     given = _costs(args)
-    costs = given.cut_into(schedule.num_stages / schedule.num_ranks)  # (plain numbers: one rank's share)
+    costs = given.cut_into(held_per_rank(schedule))  # (plain numbers: one rank's share)
     if args.from_profile is not None:  # a profile's per-stage costs fix a stage count: say whose
         try:
             costs.per_stage("f", schedule.num_stages)
@@ -139,11 +146,11 @@ def _write_pictures(result: SimResult, pictures: list[tuple[str, str]], trace: s
 
 
 def _describe(r: SimResult, given: Costs) -> str:
-    per_rank = r.num_stages / r.num_ranks
     costs = (
         f"costs: {r.costs}"
         if given == r.costs
-        else f"costs: {given} for one rank's share of the model, so each of its {per_rank:g} stages takes {r.costs}"
+        else f"costs: {given} for one rank's share of the model, so each of its {r.num_stages // r.num_ranks} "
+        f"stages takes {r.costs}"
     )
     lines = [
         r.title,
@@ -171,7 +178,7 @@ def compare_rows(
             schedule = build_schedule(name, num_ranks, num_microbatches, stages_per_rank)
         except ScheduleError:
             continue
-        v = schedule.num_stages // num_ranks if schedule.num_stages % num_ranks == 0 else 1
+        v = held_per_rank(schedule)
         try:
             # per-stage costs describe the stages as they are; plain numbers a rank's share
             result = simulate(schedule, costs.cut_into(v))

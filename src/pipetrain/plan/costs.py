@@ -138,8 +138,7 @@ class Costs:
     # ------------------------------------------------------------ lookups
     def cut_into(self, stages_per_rank: float) -> Costs:
         """Costs of one stage when a rank's share of the model, which plain numbers describe, is
-        cut into ``stages_per_rank`` stages: plain numbers (and activation bytes) divide by it
-        (stages over ranks where the ranks hold different numbers of stages).
+        cut into ``stages_per_rank`` stages: plain f, b, i, w (and activation bytes) divide by it.
 
         Costs holding any per-stage sequence measure stages as they are and stay unchanged. This
         is how ``compare`` and the auto-planner put schedules with different stage counts on one model.

@@ -314,10 +314,10 @@ class StepDriver:
             a_list = args_per_mb if args_per_mb is not None else [() for _ in range(n)]
             k_list = chunks if chunks is not None else [{} for _ in range(n)]
             inputs = list(zip(a_list, k_list, strict=True))
-        targets = target_mbs if self._takes_target(target_mbs, train, "target_mbs", "target_mbs") else None
+        targets = target_mbs if self._takes_target(target_mbs, train, "target_mbs") else None
         return inputs, chunks, targets
 
-    def _takes_target(self, given: Any, train: bool, name: str, given_as: str) -> bool:
+    def _takes_target(self, given: Any, train: bool, name: str) -> bool:
         """Whether this caller computes losses against ``given`` (``target`` or ``target_mbs``, the
         argument ``name``); an error where it is needed and missing. Off the last stage's rank a
         target is ignored, as torch does (and as inputs are off the first stage's): a script that
@@ -391,7 +391,7 @@ class StepDriver:
     def _split_target(
         self, target: Any, train: bool, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> list[Any] | None:
-        if not self._takes_target(target, train, "target", "a target"):
+        if not self._takes_target(target, train, "target"):
             return None
         self._check_batch(target, args, kwargs, self.num_stages - 1)
         return split_into_chunks(target, self.n_microbatches, None, "target")
