@@ -378,34 +378,3 @@ def test_torch_call_patterns_loss_kwargs_eval_losses_and_no_grad(name: str) -> N
             torch.testing.assert_close(torch.tensor(res["forward"]), h.detach())
         else:
             assert res["step losses"] == [] and res["eval losses"] == [] and res["forward"] is None
-
-
-def _build_and_drop(rank: int, world: int) -> tuple[int, int]:
-    """Ten schedules built, stepped and dropped: the helper threads they started (one each)."""
-    import threading
-    import time
-
-    from pipetrain import PipelineStage, Schedule1F1B
-
-    def helpers() -> int:
-        return sum(t.name == "pipetrain-sends" and t.is_alive() for t in threading.enumerate())
-
-    before = helpers()
-    for _ in range(10):
-        stage = PipelineStage(nn.Linear(WIDTH, WIDTH), rank, world, "cpu")
-        schedule = Schedule1F1B(stage, 2, loss_fn=nn.functional.mse_loss)
-        x = torch.randn(4, WIDTH)
-        schedule.step(*((x,) if rank == 0 else ()), target=x if rank == world - 1 else None)
-        del schedule, stage
-    gc.collect()
-    deadline = time.monotonic() + 10
-    while helpers() > before and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return before, helpers()
-
-
-def test_dropped_schedules_stop_their_helper_threads() -> None:
-    """A schedule dropped after sound steps stops its send-waiting thread (it used to stay, one per
-    schedule a program built; helper-25 counted 31 after 30 schedules)."""
-    for before, after in run_ranks(_build_and_drop, 2):
-        assert after == before, (before, after)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import queue
 import threading
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable
 from datetime import timedelta
@@ -106,9 +105,6 @@ class Waiter:
         self._device: list[Any] = []  # sends of device data, completed on the stream at drain()
         self.watch = False  # receives waited on by the helper thread, watching the failure channel
         threading.Thread(target=_serve, args=(self._bg, self._finished), daemon=True, name="pipetrain-sends").start()
-        # A schedule dropped without a failure never calls close(): stop the thread with the waiter
-        # (the thread holds the queue, not the waiter), or every schedule a program builds leaves one.
-        weakref.finalize(self, self._bg.put, None)
 
     def wait(self, works: list[Any], what: Any) -> None:
         """Wait for ``works``; ``what`` (a string, or a handle or item :func:`_describe` names) is for errors."""
