@@ -18,6 +18,7 @@ import torch.distributed as dist
 from pipetrain.errors import PipelineError
 from pipetrain.plan import Action, ActionKind, ScheduleError, build_schedule
 from pipetrain.plan import Schedule as PlanSchedule
+from pipetrain.plan._text import align_columns
 from pipetrain.plan.generators import ScheduleFamily, family, schedule_names
 from pipetrain.runtime import LossFn, PipelineScheduleRuntime, announce_failure, read_torch_csv
 from pipetrain.runtime.custom import CustomAction, PipelineContext
@@ -84,8 +85,7 @@ def _format_pipeline_order(pipeline_order: dict[int, list[Any]], error_step_numb
     for step in range(steps):
         cells = [pipeline_order[r][step] if step < len(pipeline_order[r]) else None for r in ranks]
         rows.append([f"Step {step:0{label}d}"] + ["" if a is None else str(a) for a in cells])
-    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
-    lines = [" ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    lines = align_columns(rows, " ")
     if error_step_number is not None and 0 <= error_step_number < steps:
         lines[error_step_number + 1] += "  <-- ERROR HERE"
     return "\n".join(lines)

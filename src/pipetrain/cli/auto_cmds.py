@@ -7,7 +7,14 @@ import argparse
 import math
 from typing import Any
 
-from pipetrain.cli.common import OUTPUT_NAMING, PROFILE_HELP, read_costs_file, schedule_output, write_schedule
+from pipetrain.cli.common import (
+    OUTPUT_NAMING,
+    PROFILE_HELP,
+    held_per_rank,
+    read_costs_file,
+    schedule_output,
+    write_schedule,
+)
 from pipetrain.plan.costs import Costs
 from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.search import plan_schedule, rank_schedules
@@ -101,7 +108,7 @@ def _plan(args: argparse.Namespace) -> int:
     )
     chosen = found.schedule
     chosen.validate()
-    v = chosen.num_stages // args.ranks
+    v = held_per_rank(chosen)
     stage_costs = costs.cut_into(v)
     result = simulate(chosen, stage_costs)
     # (With one rank the two layouts are the same.)

@@ -12,6 +12,7 @@ from pipetrain.cli.common import (
     OUTPUT_NAMING,
     PROFILE_HELP,
     add_size_arguments,
+    held_per_rank,
     output_path,
     read_costs_file,
     require,
@@ -28,13 +29,6 @@ _SHARE_MEANING = (
     "stages on every rank runs each stage in 1/V of them (stages spread unevenly take them per stage); with "
     "any ':' per-stage value every number is per stage, plain ones included, and the number of stages is fixed"
 )
-
-
-def held_per_rank(schedule: Schedule) -> int:
-    """V when every rank holds V stages (plain costs are then cut into V), else 1: stages spread
-    unevenly, or a rank holding none, take plain costs per stage. One rule for simulate and compare."""
-    held = [len(schedule.stages_of(r)) for r in range(schedule.num_ranks)]
-    return held[0] if held and min(held) == max(held) > 0 else 1
 
 
 def _add_costs_argument(parser: argparse.ArgumentParser, meaning: str) -> None:

@@ -22,7 +22,7 @@ from pipetrain.plan._jsonio import (
     read_text,
     write_json,
 )
-from pipetrain.plan._text import count
+from pipetrain.plan._text import align_columns, count
 from pipetrain.plan.actions import Action, ActionKind
 from pipetrain.plan.errors import ScheduleError
 
@@ -349,8 +349,7 @@ class Schedule:
                 action = program[step] if step < len(program) else None
                 row.append("" if action is None else str(action))
             rows.append(row)
-        widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
-        lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=False)).rstrip() for r in rows]
+        lines = align_columns(rows, "  ")
         if steps < self.num_steps:
             lines.append(f"... {self.num_steps - steps} more steps")
         return "\n".join(lines)
