@@ -1,6 +1,7 @@
 """Training text that every machine has offline: the Python standard library's own source.
 
-Byte-level tokens (vocabulary 256, no tokenizer to ship). Batches are a pure function of
+Byte-level tokens by default (vocabulary 256, no tokenizer to ship); the ``bpe`` model's tokens
+come from a BPE learnt offline from this same text (:mod:`pipetrain.train.tokenizer`). Batches are a pure function of
 ``(seed, step)``, so every rank, and the non-pipelined reference run, draws the same batch
 without communicating.
 """
@@ -13,7 +14,10 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["TextData", "decode", "encode", "load_text", "text_files"]
+__all__ = ["TOKENIZERS", "TextData", "decode", "encode", "load_text", "text_files"]
+
+TOKENIZERS = ("bytes", "bpe")
+"""How text becomes tokens: raw bytes (vocabulary 256) or the BPE learnt from the text."""
 
 DEFAULT_MAX_BYTES = 4 * 1024 * 1024
 
@@ -65,8 +69,19 @@ class TextData:
     eval_fraction: float = 0.05
 
     @classmethod
-    def from_stdlib(cls, max_bytes: int = DEFAULT_MAX_BYTES) -> TextData:
-        return cls(encode(load_text(max_bytes=max_bytes)))
+    def from_stdlib(
+        cls, max_bytes: int = DEFAULT_MAX_BYTES, *, tokenizer: str = "bytes", vocab_size: int = 256
+    ) -> TextData:
+        """The standard library's source as bytes, or (``tokenizer="bpe"``) as the ids of the
+        ``vocab_size``-token BPE learnt from it (learnt and encoded once, then read from the cache)."""
+        if tokenizer not in TOKENIZERS:
+            raise ValueError(f"tokenizer must be one of {', '.join(TOKENIZERS)}, got {tokenizer!r}")
+        text = load_text(max_bytes=max_bytes)
+        if tokenizer == "bytes":
+            return cls(encode(text))
+        from pipetrain.train.tokenizer import bpe_tokens
+
+        return cls(bpe_tokens(text, vocab_size))
 
     def _part(self, split: str) -> torch.Tensor:
         cut = int(len(self.tokens) * (1.0 - self.eval_fraction))

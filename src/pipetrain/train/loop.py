@@ -40,7 +40,16 @@ from pipetrain.train.launch import DistEnv, init_process_group
 from pipetrain.train.model import GPT, MODEL_SIZES, GPTConfig, lm_loss
 from pipetrain.train.progress import StepReporter
 
-__all__ = ["CHECK_RTOL", "KILL_HOOK", "TrainConfig", "TrainResult", "plan_for", "reference_losses", "run_rank"]
+__all__ = [
+    "CHECK_RTOL",
+    "KILL_HOOK",
+    "TrainConfig",
+    "TrainResult",
+    "load_data",
+    "plan_for",
+    "reference_losses",
+    "run_rank",
+]
 
 CHECK_RTOL = 1e-4
 # Test hook: "RANK:STEP" makes that rank SIGKILL itself before that step, on torchrun's first
@@ -99,6 +108,12 @@ class TrainResult:
     plan_summary: str | None = None  # --schedule auto: what was planned from the profiled steps
 
 
+def load_data(cfg: TrainConfig) -> TextData:
+    """The training text in the model's tokens (the ``bpe`` model's are learnt once, then cached)."""
+    mcfg = cfg.model_config
+    return TextData.from_stdlib(cfg.max_text_bytes, tokenizer=mcfg.tokenizer, vocab_size=mcfg.vocab_size)
+
+
 def plan_for(cfg: TrainConfig, world_size: int) -> Schedule:
     """The compute-only schedule this run follows: built by name, or read from a CSV/JSON file."""
     source = cfg.schedule
@@ -147,7 +162,7 @@ def _train(env: DistEnv, cfg: TrainConfig, device: torch.device) -> TrainResult 
     sched = _make_schedule(pipetrain, cfg, schedule, stages)
     params = [p for s in mine for p in parts[s].parameters()]
     optimizer = torch.optim.Adam(params, lr=cfg.lr)
-    data = TextData.from_stdlib(cfg.max_text_bytes)
+    data = load_data(cfg)
     ckpt = Checkpointer(cfg.checkpoint_dir, keep=2) if cfg.checkpoint_dir else None
     resumed = _resume(ckpt, stages, optimizer)
     start = min(resumed.step, cfg.steps)
@@ -458,7 +473,7 @@ def reference_losses(
     torch.manual_seed(cfg.seed)
     model: nn.Module = GPT(mcfg).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-    data = TextData.from_stdlib(cfg.max_text_bytes)
+    data = load_data(cfg)
     schedule_mb = n_microbatches or cfg.microbatches
     losses = []
     for step in range(cfg.steps):

@@ -2,24 +2,33 @@
 
 Layer list: ``[Embedding, Block × n_layers, Head]``. Every layer maps one tensor to one tensor
 (token ids → hidden states → logits), which is what a pipeline stage hands to the next.
+
+Presets (``MODEL_SIZES``): ``tiny`` keeps tests fast, ``small`` is the demo's default, ``base`` is
+wider and deeper, all three on bytes (vocabulary 256), so their head is cheap. ``bpe`` has a real
+vocabulary, 8,192 tokens of a BPE learnt offline from the training text, and is sized so that its
+head and loss cost what a Llama-3's do: about 2.7 transformer blocks on a CPU (measured:
+benchmarks/plan_pipeline_real.py prints the ratio), while its embedding costs next to nothing in
+time but holds as many parameters as the head. Where the cut falls matters for it.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from pipetrain.split import split_sequential
+from pipetrain.split import partition_balanced, split_sequential
 
-__all__ = ["GPT", "MODEL_SIZES", "Block", "Embedding", "GPTConfig", "Head", "lm_loss"]
+__all__ = ["CUTS", "GPT", "MODEL_SIZES", "Block", "Embedding", "GPTConfig", "Head", "even_cut", "lm_loss"]
 
 
 @dataclass(frozen=True)
 class GPTConfig:
-    """Sizes of the model. ``vocab_size`` 256 fits the byte-level tokenizer."""
+    """Sizes of the model. ``vocab_size`` 256 fits the byte-level tokenizer; ``tokenizer="bpe"``
+    learns a ``vocab_size``-token BPE from the training text (:mod:`pipetrain.train.tokenizer`)."""
 
     vocab_size: int = 256
     seq_len: int = 64
@@ -27,17 +36,50 @@ class GPTConfig:
     n_heads: int = 4
     n_layers: int = 4
     mlp_ratio: int = 4
+    tokenizer: str = "bytes"
 
-    def to_dict(self) -> dict[str, int]:
+    def __post_init__(self) -> None:
+        if self.tokenizer not in ("bytes", "bpe"):
+            raise ValueError(f"tokenizer must be 'bytes' or 'bpe', got {self.tokenizer!r}")
+        if self.tokenizer == "bytes" and self.vocab_size < 256:
+            raise ValueError(f"byte tokens need vocab_size >= 256, got {self.vocab_size}")
+
+    def to_dict(self) -> dict[str, int | str]:
         return asdict(self)
 
 
-# Named sizes for the command line: "tiny" keeps tests fast, "small" is the demo's default.
+# Named sizes for the command line: "tiny" keeps tests fast, "small" is the demo's default,
+# "bpe" has a real vocabulary and a head costing about 2.7 blocks (see the module's docstring).
 MODEL_SIZES: dict[str, GPTConfig] = {
     "tiny": GPTConfig(seq_len=32, d_model=32, n_heads=2, n_layers=2),
     "small": GPTConfig(),
     "base": GPTConfig(seq_len=128, d_model=256, n_heads=8, n_layers=8),
+    "bpe": GPTConfig(vocab_size=8192, tokenizer="bpe", seq_len=64, d_model=256, n_heads=8, n_layers=8),
 }
+
+CUTS = ("even", "params", "time")
+"""How :meth:`GPT.split` cuts: equal blocks per stage (the embedding with the first, the head with
+the last), equal parameter counts, or equal measured forward+backward time."""
+
+
+def even_cut(n_blocks: int, num_stages: int) -> list[int]:
+    """Layers per stage of ``[Embedding, Block × n_blocks, Head]`` cut into ``num_stages`` stages with
+    equal numbers of blocks (what torchtitan and Megatron do unless told otherwise): the embedding
+    rides with the first stage and the head with the last; blocks left over go to the middle stages
+    first. With fewer blocks than stages, equal numbers of layers."""
+    layers = n_blocks + 2
+    if num_stages < 1 or num_stages > layers:
+        raise ValueError(f"cannot cut {layers} layers into {num_stages} non-empty stages")
+    if n_blocks < num_stages:
+        return partition_balanced([1.0] * layers, num_stages)
+    blocks = [n_blocks // num_stages] * num_stages
+    order = [*range(1, num_stages - 1), 0, num_stages - 1] if num_stages > 2 else list(range(num_stages))
+    for k in order[: n_blocks % num_stages]:
+        blocks[k] += 1
+    sizes = list(blocks)
+    sizes[0] += 1
+    sizes[-1] += 1
+    return sizes
 
 
 class Embedding(nn.Module):
@@ -103,14 +145,38 @@ class GPT(nn.Sequential):
         self.cfg = cfg
         self.apply(_init_weights)
 
-    def split(self, num_stages: int, *, by: str = "params") -> list[nn.Sequential]:
-        """The model cut into ``num_stages`` stages; the stages share this model's parameters."""
+    def layer_names(self) -> list[str]:
+        """The layers' names in run order (``"0"`` the embedding, ``"1"`` … the blocks, the last the head):
+        what a layer profile and a plan's ``stage_layers`` call them."""
+        return [name for name, _ in self.named_children()]
+
+    def split(self, num_stages: int, *, by: str = "even") -> list[nn.Sequential]:
+        """The model cut into ``num_stages`` stages; the stages share this model's parameters.
+
+        ``by``: one of :data:`CUTS` (default ``"even"``: equal blocks per stage, see :func:`even_cut`).
+        """
         if num_stages > len(self):
             raise ValueError(
                 f"a GPT with {self.cfg.n_layers} blocks has {len(self)} layers, too few for {num_stages} stages"
             )
+        if by == "even":
+            return self.stages_of(even_cut(self.cfg.n_layers, num_stages))
+        if by not in CUTS:
+            raise ValueError(f"by must be one of {', '.join(CUTS)}, got {by!r}")
         sample = torch.zeros(1, self.cfg.seq_len, dtype=torch.long) if by == "time" else None
         return split_sequential(self, num_stages, by=by, sample_input=sample)
+
+    def stages_of(self, sizes: list[int]) -> list[nn.Sequential]:
+        """Consecutive stages of ``sizes`` layers each, named as in this model."""
+        if sum(sizes) != len(self) or min(sizes, default=0) < 1:
+            raise ValueError(f"stage sizes {sizes} do not cut the {len(self)} layers into non-empty stages")
+        named = list(self.named_children())
+        stages = []
+        start = 0
+        for size in sizes:
+            stages.append(nn.Sequential(OrderedDict(named[start : start + size])))
+            start += size
+        return stages
 
 
 def _init_weights(module: nn.Module) -> None:
