@@ -5,29 +5,48 @@ a layer is its parameter count (a cheap proxy, no data needed) or its measured f
 time on a sample input (what actually matters, for layers whose cost is not in their weights,
 such as attention). The cut itself is the classic contiguous partition that minimises the
 heaviest part.
+
+A plan (:func:`pipetrain.plan.plan_pipeline`) names the layers of each stage instead:
+:func:`split_by_names` builds those stages, recomputing the activations of the stages the plan
+marks (:func:`recompute`), and :func:`stages_for_rank` picks a rank's stages under the plan's
+placement. Every stage built here remembers the whole cut it belongs to, so ranks that cut one
+model differently are refused before their first step (:mod:`pipetrain.runtime.agreement`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import statistics
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any, cast
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map_only
 
+from pipetrain.recompute import is_recomputed, recompute
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
 __all__ = [
     "LayerStage",
+    "StageCut",
+    "is_recomputed",
     "layer_times",
     "parameter_counts",
     "partition_balanced",
+    "recompute",
+    "split_by_names",
     "split_layers",
     "split_sequential",
     "stage_boundaries",
+    "stage_cut",
+    "stages_for_rank",
 ]
 
 
@@ -101,33 +120,44 @@ def layer_times(
     *,
     repeats: int = 3,
     backward: bool = True,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    target: Any = None,
 ) -> list[float]:
     """Median seconds of each layer's forward (+ backward) on the activations of ``sample_input``.
 
     Each layer gets the previous layer's output (any nesting of tensors), detached, so the time
     is its own. Backward runs from every floating-point output that requires grad when
-    ``backward`` is true. Parameter gradients and buffers (BatchNorm's running statistics) are
-    restored afterwards, so measuring leaves the model as it was.
+    ``backward`` is true. With ``loss_fn`` (and ``target``), the last layer's time includes
+    ``loss_fn(output, target)`` and the backward from it, as the last stage of a pipeline runs
+    them. Parameter gradients and buffers (BatchNorm's running statistics) are restored
+    afterwards, so measuring leaves the model as it was.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if (loss_fn is None) != (target is None):
+        raise ValueError("give loss_fn and target together (the loss is counted in the last layer)")
     layers = list(layers)  # iterated more than once (a generator would be used up)
     grads = {id(p): (p, None if p.grad is None else p.grad.clone()) for layer in layers for p in layer.parameters()}
     buffers = {id(b): (b, b.clone()) for layer in layers for b in layer.buffers()}
     times: list[float] = []
     x = sample_input
     try:
-        for layer in layers:
+        for k, layer in enumerate(layers):
+            with_loss = loss_fn is not None and k == len(layers) - 1
             samples = []
             out: Any = None
             for trial in range(repeats + 1):  # the first run warms up and is not counted
                 inp = _fresh_input(x)
                 t0 = time.perf_counter()
                 out = layer(inp)
-                if backward:
+                roots: list[torch.Tensor] = []
+                if with_loss:
+                    assert loss_fn is not None
+                    roots = [loss_fn(out, target)]
+                elif backward:
                     roots = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and _differentiable(t)]
-                    if roots:
-                        torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
+                if backward and roots:
+                    torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
                 if trial > 0:
                     samples.append(time.perf_counter() - t0)
             times.append(statistics.median(samples))
@@ -209,9 +239,11 @@ def _register(root: nn.Module, path: str, layer: nn.Module) -> None:
         raise ValueError(f"two different layers are named {path!r} (or one lies inside the other)")
 
 
-def _named_layers(
-    layers: Sequence[nn.Module] | Mapping[str, nn.Module] | nn.ModuleDict | nn.Sequential, model: nn.Module | None
-) -> list[tuple[str, nn.Module]]:
+Layers = Sequence[nn.Module] | Sequence[tuple[str, nn.Module]] | Mapping[str, nn.Module] | nn.ModuleDict | nn.Sequential
+"""What names a list of layers: see :func:`split_layers`."""
+
+
+def _named_layers(layers: Layers, model: nn.Module | None) -> list[tuple[str, nn.Module]]:
     """Each layer with the name its stage registers it under (see :func:`split_layers`)."""
     named = _names(layers, model)
     # A layer inside another one given would put its parameters in two stages.
@@ -225,10 +257,8 @@ def _named_layers(
     return named
 
 
-def _names(
-    layers: Sequence[nn.Module] | Mapping[str, nn.Module] | nn.ModuleDict | nn.Sequential, model: nn.Module | None
-) -> list[tuple[str, nn.Module]]:
-    if model is not None:  # the model's paths win, whatever container holds the layers
+def _names(layers: Layers, model: nn.Module | None) -> list[tuple[str, nn.Module]]:
+    if model is not None and not _pairs(layers):  # the model's paths win, whatever container holds the layers
         if isinstance(layers, nn.Sequential):
             layers = [m for m in layers._modules.values() if m is not None]
         elif isinstance(layers, (Mapping, nn.ModuleDict)):
@@ -238,13 +268,16 @@ def _names(
         return [(name, m) for name, m in layers._modules.items() if m is not None]
     if isinstance(layers, (Mapping, nn.ModuleDict)):
         return [(str(name), m) for name, m in layers.items()]
+    if _pairs(layers):
+        return _checked_pairs(cast(Sequence[tuple[str, nn.Module]], layers))
+    modules = cast(Sequence[nn.Module], layers)
     if model is None:
-        return [(str(i), m) for i, m in enumerate(layers)]
+        return [(str(i), m) for i, m in enumerate(modules)]
     paths: dict[int, str] = {}
     for path, m in model.named_modules(remove_duplicate=False):
         paths.setdefault(id(m), path)
     named = []
-    for i, m in enumerate(layers):
+    for i, m in enumerate(modules):
         path = paths.get(id(m))
         if not path:
             raise ValueError(f"layer {i} ({type(m).__name__}) is not a submodule of the model given as model=")
@@ -252,24 +285,42 @@ def _names(
     return named
 
 
+def _checked_pairs(pairs: Sequence[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    for item in pairs:
+        if len(item) != 2 or not isinstance(item[0], str) or not isinstance(item[1], nn.Module):
+            raise TypeError(f"a layer given as a pair must be (name, module), got {item!r:.80}")
+    return list(pairs)
+
+
+def _pairs(layers: Layers) -> bool:
+    """Whether ``layers`` are ``(name, layer)`` pairs."""
+    return isinstance(layers, Sequence) and bool(layers) and all(isinstance(item, tuple) for item in layers)
+
+
 def split_layers(
-    layers: Sequence[nn.Module] | Mapping[str, nn.Module] | nn.ModuleDict | nn.Sequential,
+    layers: Layers,
     num_stages: int,
     *,
     by: str | Sequence[float] = "params",
     sample_input: Any = None,
     repeats: int = 3,
     model: nn.Module | None = None,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    target: Any = None,
+    group: dist.ProcessGroup | None = None,
 ) -> list[nn.Module]:
     """Cut ``layers`` (run one after another) into ``num_stages`` stages.
 
     ``by`` is ``"params"`` (parameter count), ``"time"`` (measured with ``sample_input``, the
-    input of the first layer) or explicit per-layer weights. The stages share the layer
-    objects: cutting copies nothing. Each stage registers its layers under a name, so that the
-    stages' ``state_dict`` keys together are the whole model's:
+    input of the first layer, and ``loss_fn(output, target)`` counted in the last layer when
+    given) or explicit per-layer weights. A time cut is decided once for all ranks: when
+    ``torch.distributed`` is initialised, rank 0 of ``group`` measures and the others receive
+    its cut (every rank of ``group`` must call this; measuring on each rank gave ranks different
+    cuts). The stages share the layer objects: cutting copies nothing. Each stage registers its
+    layers under a name, so that the stages' ``state_dict`` keys together are the whole model's:
 
     * an ``nn.Sequential``: its own keys;
-    * a mapping ``{path: layer}``: the paths (``"blocks.0"`` is allowed);
+    * a mapping ``{path: layer}`` or ``(path, layer)`` pairs: the paths (``"blocks.0"`` is allowed);
     * a list with ``model=``: each layer's path in ``model`` (``[m.embed, *m.blocks, m.head]``);
       with ``model=`` the model's paths name the layers of a Sequential or mapping too;
     * a list alone: its positions (``"0"``, ``"1"``, …).
@@ -287,7 +338,17 @@ def split_layers(
         elif by == "time":
             if sample_input is None:
                 raise ValueError("split by='time' needs sample_input (the input of the first layer)")
-            weights = layer_times(modules, sample_input, repeats=repeats)
+            if (loss_fn is None) != (target is None):
+                raise ValueError("give loss_fn and target together (the loss is counted in the last layer)")
+            if num_stages < 1 or len(modules) < num_stages:
+                partition_balanced([1.0] * len(modules), num_stages)  # raises the usual error, before measuring
+
+            def measure() -> list[int]:
+                times = layer_times(modules, sample_input, repeats=repeats, loss_fn=loss_fn, target=target)
+                return partition_balanced(times, num_stages)
+
+            sizes = _decided_once(measure, group)
+            return _mark([named[a:b] for a, b in stage_boundaries(sizes)])
         else:
             raise ValueError(f"by must be 'params', 'time' or a list of weights, got {by!r}")
     else:
@@ -295,7 +356,81 @@ def split_layers(
         if len(weights) != len(modules):
             raise ValueError(f"got {len(weights)} weights for {len(modules)} layers")
     sizes = partition_balanced(weights, num_stages)
-    return [_stage(named[a:b]) for a, b in stage_boundaries(sizes)]
+    return _mark([named[a:b] for a, b in stage_boundaries(sizes)])
+
+
+def _decided_once(decide: Callable[[], list[int]], group: dist.ProcessGroup | None) -> list[int]:
+    """``decide()`` on rank 0 of ``group`` and its result on every rank (just ``decide()`` without
+    an initialised ``torch.distributed``). A failure on rank 0 is raised on every rank."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return decide()
+    box: list[Any] = [None]
+    if dist.get_rank(group) == 0:
+        try:
+            box[0] = ("ok", decide())
+        except Exception as exc:
+            box[0] = ("error", f"{type(exc).__name__}: {exc}")
+            dist.broadcast_object_list(box, group=group, group_src=0)
+            raise
+    dist.broadcast_object_list(box, group=group, group_src=0)
+    status, value = box[0]
+    if status != "ok":
+        raise RuntimeError(f"rank 0 failed to measure the layers for the cut: {value}")
+    return cast(list[int], value)
+
+
+@dataclass(frozen=True)
+class StageCut:
+    """The whole cut a stage module was built from (what ranks compare before their first step).
+
+    ``layers``: the layer names of every stage of the cut, in order; ``index``: which of them
+    this module is; ``digests``: per stage, a digest of its parameters' and buffers' names,
+    shapes and dtypes as this process built the model.
+    """
+
+    layers: tuple[tuple[str, ...], ...]
+    index: int
+    digests: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"layers": [list(x) for x in self.layers], "index": self.index, "digests": list(self.digests)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> StageCut:
+        return cls(tuple(tuple(x) for x in data["layers"]), int(data["index"]), tuple(data["digests"]))
+
+
+def _digest(named: Sequence[tuple[str, nn.Module]]) -> str:
+    h = hashlib.sha1()
+    for name, layer in named:
+        for kind, items in (("p", layer.named_parameters()), ("b", layer.named_buffers())):
+            for key, t in items:
+                h.update(f"{kind} {name}.{key} {tuple(t.shape)} {t.dtype};".encode())
+    return h.hexdigest()[:16]
+
+
+def _mark(parts: Sequence[Sequence[tuple[str, nn.Module]]]) -> list[nn.Module]:
+    """One stage module per part, each remembering the whole cut (:class:`StageCut`)."""
+    layers = tuple(tuple(name for name, _ in part) for part in parts)
+    digests = tuple(_digest(part) for part in parts)
+    stages = []
+    for index, part in enumerate(parts):
+        stage = _stage(part)
+        stage.__dict__["_pipetrain_cut"] = StageCut(layers, index, digests)
+        stages.append(stage)
+    return stages
+
+
+def stage_cut(module: nn.Module) -> StageCut | None:
+    """The :class:`StageCut` of a stage module built by this module (looked for inside wrappers
+    such as DDP or ``torch.compile``), or None for a module built otherwise."""
+    for m in module.modules():
+        cut = m.__dict__.get("_pipetrain_cut")
+        if isinstance(cut, StageCut):
+            return cut
+    return None
 
 
 def _stage(named: Sequence[tuple[str, nn.Module]]) -> nn.Module:
@@ -305,6 +440,91 @@ def _stage(named: Sequence[tuple[str, nn.Module]]) -> nn.Module:
     return LayerStage(named)
 
 
+def split_by_names(
+    layers: nn.Module | Layers,
+    stage_layers: Sequence[Sequence[str]],
+    *,
+    recompute: Iterable[int] = (),
+    model: nn.Module | None = None,
+    weight_grads: str = "recompute",
+) -> list[nn.Module]:
+    """The stage modules of a cut given by layer names, e.g. a plan's ``stage_layers``.
+
+    ``layers`` names the layers as :func:`split_layers` and :func:`pipetrain.profile_layers`
+    do (an ``nn.Sequential``, a mapping or ``(name, layer)`` pairs, a list with ``model=``), or is
+    any other module whose submodule paths are the names (``"layers.3"``). The stages must take
+    every layer once, in order (for a plain module: each named submodule once). The stages whose
+    index is in ``recompute`` (a plan's ``recompute``) recompute their activations in backward
+    (:func:`recompute`, with ``weight_grads``).
+    """
+    wanted = [list(names) for names in stage_layers]
+    if not wanted:
+        raise ValueError("stage_layers is empty: give one list of layer names per stage")
+    for s, names in enumerate(wanted):
+        if not names:
+            raise ValueError(f"stage {s} has no layers; every stage needs at least one")
+    flat = [name for names in wanted for name in names]
+    twice = sorted({n for n in flat if flat.count(n) > 1})
+    if twice:
+        raise ValueError(f"layers {twice} are given to more than one stage (or twice to one)")
+    plain = isinstance(layers, nn.Module) and not isinstance(layers, (nn.Sequential, nn.ModuleDict))
+    if plain:
+        root = cast(nn.Module, layers)
+        by_name: dict[str, nn.Module] = {}
+        for name in flat:
+            try:
+                by_name[name] = root.get_submodule(name)
+            except AttributeError:
+                raise ValueError(f"the model has no submodule {name!r} (a name in stage_layers)") from None
+        named = [(name, by_name[name]) for name in flat]
+        _named_layers(dict(named), None)  # refuses a layer inside another one
+    else:
+        named = _named_layers(cast(Layers, layers), model)
+        names = [name for name, _ in named]
+        if flat != names:
+            raise ValueError(
+                f"stage_layers do not cut these layers ({_mismatch(flat, names)}); the layers are {names}"
+                " (a plan must come from a profile of the same layers)"
+            )
+    parts: list[list[tuple[str, nn.Module]]] = []
+    k = 0
+    for names in wanted:
+        parts.append(named[k : k + len(names)])
+        k += len(names)
+    stages = _mark(parts)
+    chosen = sorted(set(recompute))
+    for s in chosen:
+        if not 0 <= s < len(stages):
+            raise ValueError(f"recompute names stage {s}, but there are {len(stages)} stages")
+        _recompute(stages[s], weight_grads=weight_grads)
+    return stages
+
+
+def _mismatch(given: list[str], names: list[str]) -> str:
+    missing = [n for n in names if n not in given]
+    unknown = [n for n in given if n not in names]
+    parts = [f"missing {missing}" if missing else "", f"not layers of the model {unknown}" if unknown else ""]
+    return ", ".join(p for p in parts if p) or "the layers are out of order"
+
+
+_recompute = recompute  # split_by_names's keyword of the same name hides it
+
+
+def stages_for_rank(
+    stages: Sequence[nn.Module], stage_to_rank: Mapping[int, int] | Any, rank: int
+) -> list[tuple[int, nn.Module]]:
+    """The ``(stage_index, module)`` pairs ``rank`` holds under a placement, in stage order.
+
+    ``stage_to_rank`` is a schedule's (``plan.schedule.stage_to_rank``, or the schedule itself):
+    ``loop`` placements give rank r stages r, r+P, …; ``v`` gives it r and 2P-1-r. Build each
+    pair's :class:`~pipetrain.PipelineStage` with that ``stage_index`` and ``len(stages)`` stages.
+    """
+    where = cast(Mapping[int, int], getattr(stage_to_rank, "stage_to_rank", stage_to_rank))
+    if sorted(where) != list(range(len(stages))):
+        raise ValueError(f"the placement covers stages {sorted(where)}, but there are {len(stages)} stages")
+    return [(s, stages[s]) for s in sorted(where) if where[s] == rank]
+
+
 def split_sequential(
     model: nn.Sequential,
     num_stages: int,
@@ -312,10 +532,22 @@ def split_sequential(
     by: str | Sequence[float] = "params",
     sample_input: Any = None,
     repeats: int = 3,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    target: Any = None,
+    group: dist.ProcessGroup | None = None,
 ) -> list[nn.Sequential]:
     """Cut an ``nn.Sequential`` into ``num_stages`` balanced ``nn.Sequential`` stages (see :func:`split_layers`)."""
     if not isinstance(model, nn.Sequential):
         raise TypeError(f"split_sequential needs an nn.Sequential, got {type(model).__name__}; use split_layers")
-    stages = split_layers(model, num_stages, by=by, sample_input=sample_input, repeats=repeats)
+    stages = split_layers(
+        model,
+        num_stages,
+        by=by,
+        sample_input=sample_input,
+        repeats=repeats,
+        loss_fn=loss_fn,
+        target=target,
+        group=group,
+    )
     # An nn.Sequential's keys are unique and hold no dots, so every stage is one.
     return [cast(nn.Sequential, s) for s in stages]
