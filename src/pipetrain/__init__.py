@@ -13,6 +13,9 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "PipelineStage": "pipetrain.stage",
+    "PipelineStageInfo": "pipetrain.stage",
+    "PipelineActivationLiveness": "pipetrain.liveness",
+    "analyze_pipeline_activation_liveness": "pipetrain.liveness",
     "PipelineScheduleRuntime": "pipetrain.runtime",
     "PipelineScheduleSingle": "pipetrain.schedules",
     "PipelineScheduleMulti": "pipetrain.schedules",

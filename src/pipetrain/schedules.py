@@ -4,8 +4,11 @@ Each class only chooses which :class:`~pipetrain.plan.Schedule` to build; all of
 one executor, :class:`~pipetrain.runtime.PipelineScheduleRuntime`. Constructors take torch's
 arguments ``(stage_or_stages, n_microbatches, loss_fn=None, args_chunk_spec=None,
 kwargs_chunk_spec=None, output_merge_spec=None, scale_grads=True)`` and torch's keywords
-``backward_requires_autograd``, ``defer_pp_recv`` and ``use_full_backward``; extra keywords
-(``timeout``, ``poll_interval``, ``recv_ahead``, ``lower_options``) go to the runtime.
+``backward_requires_autograd``, ``defer_pp_recv`` and ``use_full_backward``, and torch 2.15's
+``max_active_stages`` (FSDP stages gathered at once per rank: the lowering's ``max_unsharded``),
+``unshard_lookahead``, ``defer_reduce_grad_wait`` and ``max_outstanding_sends`` (their defaults;
+any other value is refused by name, see :func:`_torch_lowering`); extra keywords (``timeout``,
+``poll_interval``, ``recv_ahead``, ``lower_options``) go to the runtime.
 """
 
 from __future__ import annotations
@@ -16,12 +19,15 @@ from typing import Any, ClassVar
 import torch.distributed as dist
 
 from pipetrain.errors import PipelineError
+from pipetrain.liveness import PipelineActivationLiveness, analyze_pipeline_activation_liveness
 from pipetrain.plan import Action, ActionKind, ScheduleError, build_schedule
 from pipetrain.plan import Schedule as PlanSchedule
 from pipetrain.plan._text import align_columns
 from pipetrain.plan.generators import ScheduleFamily, family, schedule_names
+from pipetrain.plan.passes.fsdp import DEFAULT_MAX_UNSHARDED
 from pipetrain.runtime import LossFn, PipelineScheduleRuntime, announce_failure, read_torch_csv
 from pipetrain.runtime.custom import CustomAction, PipelineContext
+from pipetrain.runtime.data_parallel import default_lowering
 from pipetrain.stage import PipelineStage
 
 __all__ = [
@@ -37,6 +43,7 @@ __all__ = [
     "SEND_B",
     "SEND_F",
     "UNSHARD",
+    "PipelineActivationLiveness",
     "PipelineScheduleMulti",
     "PipelineScheduleSingle",
     "Schedule1F1B",
@@ -50,6 +57,7 @@ __all__ = [
     "ScheduleZBH1",
     "ScheduleZBH2",
     "ScheduleZBVZeroBubble",
+    "analyze_pipeline_activation_liveness",
     "get_schedule_class",
 ]
 
@@ -117,6 +125,60 @@ def _wait_batch_p2p(work: Any) -> None:
         w.wait()
 
 
+_NOT_HERE = {
+    "WAIT_SEND_F": "sends are waited for by the runtime itself, never by an action",
+    "WAIT_SEND_B": "sends are waited for by the runtime itself, never by an action",
+    "WAIT_REDUCE_GRAD": "its REDUCE_GRAD action finishes the reduction it starts",
+}
+"""torch 2.15's action kinds that pipetrain's schedules do not have, and why (see ``__getattr__``)."""
+
+
+def _torch_lowering(
+    name: str,
+    stages: list[PipelineStage],
+    options: dict[str, Any],
+    max_active_stages: int,
+    unshard_lookahead: Any,
+    defer_reduce_grad_wait: bool,
+    max_outstanding_sends: int | None,
+) -> dict[str, Any]:
+    """``options`` with torch 2.15's lowering keywords applied: ``max_active_stages`` is the FSDP
+    pass's ``max_unsharded`` (the same cap on stages gathered at once per rank); the others are
+    accepted at their defaults, and any other value is refused by name, since pipetrain's
+    lowering plans those things its own way."""
+    if isinstance(max_active_stages, bool) or not isinstance(max_active_stages, int) or max_active_stages < 1:
+        raise ScheduleError(f"{name}: max_active_stages must be a positive integer, got {max_active_stages!r}")
+    refused = []
+    if unshard_lookahead != "full":
+        refused.append(
+            f"unshard_lookahead={unshard_lookahead!r} (pipetrain gathers each FSDP stage a fixed number of compute "
+            "actions ahead of its use, within max_active_stages: lower_options={'fsdp': True, 'prefetch': k})"
+        )
+    if defer_reduce_grad_wait:
+        refused.append(
+            "defer_reduce_grad_wait=True (pipetrain's REDUCE_GRAD finishes its reduction; there is no "
+            "WAIT_REDUCE_GRAD to defer)"
+        )
+    if max_outstanding_sends is not None:
+        refused.append(
+            f"max_outstanding_sends={max_outstanding_sends!r} (pipetrain's runtime waits for each send itself; "
+            "there are no WAIT_SEND actions to budget)"
+        )
+    if refused:
+        raise PipelineError(f"{name}: torch 2.15's " + "; ".join(refused) + " is not supported; leave it out")
+    if max_active_stages == DEFAULT_MAX_UNSHARDED:
+        return options
+    given = options.get("lower_options")
+    lowering = dict(default_lowering(stages) if given is None else given)
+    if lowering.get("max_unsharded", max_active_stages) != max_active_stages:
+        raise PipelineError(
+            f"{name}: max_active_stages={max_active_stages} and lower_options' max_unsharded="
+            f"{lowering['max_unsharded']} are the same setting; give one"
+        )
+    lowering["max_unsharded"] = max_active_stages
+    return {**options, "lower_options": lowering}
+
+
 class _NamedSchedule(PipelineScheduleRuntime):
     """A schedule chosen by name (``schedule_name``), built for this group's size and stages."""
 
@@ -134,7 +196,11 @@ class _NamedSchedule(PipelineScheduleRuntime):
         scale_grads: bool = True,
         backward_requires_autograd: bool = True,
         defer_pp_recv: bool = False,
+        max_active_stages: int = DEFAULT_MAX_UNSHARDED,
+        unshard_lookahead: Any = "full",
         *,
+        defer_reduce_grad_wait: bool = False,
+        max_outstanding_sends: int | None = None,
         use_full_backward: bool | None = None,
         **options: Any,
     ) -> None:
@@ -145,6 +211,15 @@ class _NamedSchedule(PipelineScheduleRuntime):
         stage_list = [stages] if isinstance(stages, PipelineStage) else list(stages)
         if not stage_list:
             raise PipelineError(f"{name} needs at least one PipelineStage")
+        options = _torch_lowering(
+            name,
+            stage_list,
+            options,
+            max_active_stages,
+            unshard_lookahead,
+            defer_reduce_grad_wait,
+            max_outstanding_sends,
+        )
         if not self.schedule_name:
             # torch's CSV route: PipelineScheduleMulti(stages, n, loss_fn) then _load_csv(path).
             self._pending: dict[str, Any] | None = dict(
@@ -355,7 +430,11 @@ class ScheduleLoopedBFS(PipelineScheduleMulti):
         scale_grads: bool = True,
         backward_requires_autograd: bool = True,
         defer_pp_recv: bool = False,
+        max_active_stages: int = DEFAULT_MAX_UNSHARDED,
+        unshard_lookahead: Any = "full",
         *,
+        defer_reduce_grad_wait: bool = False,
+        max_outstanding_sends: int | None = None,
         args_chunk_spec: tuple[Any, ...] | None = None,
         kwargs_chunk_spec: dict[str, Any] | None = None,
         **options: Any,
@@ -371,6 +450,10 @@ class ScheduleLoopedBFS(PipelineScheduleMulti):
             scale_grads,
             backward_requires_autograd,
             defer_pp_recv,
+            max_active_stages,
+            unshard_lookahead,
+            defer_reduce_grad_wait=defer_reduce_grad_wait,
+            max_outstanding_sends=max_outstanding_sends,
             **options,
         )
 
@@ -423,7 +506,10 @@ for _name in schedule_names():
 
 
 def __getattr__(name: str) -> Any:
-    """``Schedule<Name>`` of a family registered after this module was imported."""
+    """``Schedule<Name>`` of a family registered after this module was imported; torch 2.15's
+    action kinds pipetrain has no use for are named with the reason."""
+    if name in _NOT_HERE:
+        raise AttributeError(f"pipetrain has no {name} action (torch 2.15's): {_NOT_HERE[name]}")
     if name.startswith("Schedule"):
         for known in schedule_names():
             fam = family(known)

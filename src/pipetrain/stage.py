@@ -8,12 +8,16 @@ microbatch it keeps only what backward needs and drops it as soon as the last ba
 from __future__ import annotations
 
 import sys
+from collections import OrderedDict
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.utils._pytree as pytree
 from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.utils.hooks import RemovableHandle
 
 from pipetrain._backward import (
     SavedTensors,
@@ -29,7 +33,18 @@ from pipetrain.errors import PipelineError
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-__all__ = ["PipelineStage"]
+__all__ = ["PipelineStage", "PipelineStageInfo"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineStageInfo:
+    """Which forward a context registered with :meth:`PipelineStage.register_forward_context` is
+    around (torch 2.15's class): the stage, the microbatch, and ``is_metadata_inference``, always
+    False here (pipetrain runs no shape-probing forward)."""
+
+    stage_index: int
+    microbatch_index: int
+    is_metadata_inference: bool = False
 
 
 @dataclass
@@ -152,6 +167,35 @@ class PipelineStage:
         self.split_backward = split_backward
         self._mbs: dict[int, _Microbatch] = {}
         self._origin_grads: list[tuple[torch.Tensor, torch.Tensor]] = []  # see backward_into_inputs
+        self._forward_contexts: OrderedDict[int, Callable[[PipelineStageInfo], AbstractContextManager[Any]]] = (
+            OrderedDict()
+        )
+
+    def register_forward_context(
+        self, context_factory: Callable[[PipelineStageInfo], AbstractContextManager[Any]]
+    ) -> RemovableHandle:
+        """Run every forward of this stage (``forward_one_chunk``, as the runtimes and custom
+        functions call it) inside ``context_factory(PipelineStageInfo(...))`` (torch 2.15's hook).
+        One at a time; the handle's ``remove()`` unregisters it."""
+        if self._forward_contexts:
+            raise PipelineError(
+                f"stage {self.stage_index}: a forward context is already registered; remove its handle first"
+            )
+        handle = RemovableHandle(self._forward_contexts)
+        self._forward_contexts[handle.id] = context_factory
+        return handle
+
+    def _call_submodule(self, mb: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not self._forward_contexts:
+            return self.submodule(*args, **kwargs)
+        factory = next(iter(self._forward_contexts.values()))
+        done = False
+        with factory(PipelineStageInfo(stage_index=self.stage_index, microbatch_index=mb)):
+            output = self.submodule(*args, **kwargs)
+            done = True
+        if not done:  # the context swallowed the module's exception: there is no output
+            raise PipelineError(f"{self._where(mb, 'F')}: the forward context suppressed the forward's exception")
+        return output
 
     @property
     def submod(self) -> torch.nn.Module:
@@ -201,7 +245,7 @@ class PipelineStage:
         """
         kwargs = kwargs or {}
         if not torch.is_grad_enabled():
-            return self.submodule(*args, **kwargs)
+            return self._call_submodule(mb, args, kwargs)
         if mb in self._mbs:
             raise PipelineError(f"{self._where(mb, 'F')}: forward ran again before the backward of its previous run")
         plain = not kwargs and all(isinstance(t, torch.Tensor) for t in args)  # skips pytree
@@ -232,10 +276,10 @@ class PipelineStage:
             SavedTensors(f"stage {self.stage_index}, microbatch {mb}") if self.track_saved_tensors and track else None
         )
         if saved is None:
-            output = self.submodule(*args, **kwargs)
+            output = self._call_submodule(mb, args, kwargs)
         else:
             with saved.hooks():
-                output = self.submodule(*args, **kwargs)
+                output = self._call_submodule(mb, args, kwargs)
         if isinstance(output, torch.Tensor):
             out_tensors = [output]
         else:

@@ -169,6 +169,7 @@ class StepDriver:
         arg_mbs: Sequence[Any] | None = None,
         kwarg_mbs: Sequence[dict[str, Any]] | None = None,
         target_mbs: Sequence[Any] | None = None,
+        finalize_gradients: bool = True,
         **kwargs: Any,
     ) -> Any:
         """One training step (forward only when there is no ``loss_fn``).
@@ -185,7 +186,12 @@ class StepDriver:
         microbatch, for every held stage) and ``target_mbs`` (one target per microbatch, where the
         last stage is). Microbatches may differ in shape (packed documents of different lengths);
         the output, where asked for, is then the list of the microbatches' outputs.
+
+        ``finalize_gradients`` (torch 2.15) is accepted either way: torch defers FSDP's reduction
+        and resharding to the call that passes True; here every step reduces what it adds, so
+        ``.grad`` after that call is the same, and readable after each call too.
         """
+        del finalize_gradients
         batch = _Batch(args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs)
         extra = (stage_kwargs, stage_kwargs_chunk_spec)
         if self._loss_fn is None:
