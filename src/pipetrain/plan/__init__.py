@@ -12,6 +12,14 @@ from pipetrain.plan.costs import Costs
 from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.generators import build_schedule, schedule_names
 from pipetrain.plan.measure import costs_from_timelines
+from pipetrain.plan.pipeline import (
+    LayerCost,
+    PipelinePlan,
+    plan_pipeline,
+    read_layers,
+    static_bytes_for,
+    write_layers,
+)
 from pipetrain.plan.schedule import Schedule
 from pipetrain.plan.search import Plan, auto_schedule, plan_schedule, rank_schedules
 from pipetrain.plan.simulate import SimResult, simulate
@@ -21,6 +29,8 @@ __all__ = [
     "Action",
     "ActionKind",
     "Costs",
+    "LayerCost",
+    "PipelinePlan",
     "Plan",
     "Schedule",
     "ScheduleError",
@@ -30,8 +40,12 @@ __all__ = [
     "auto_schedule",
     "build_schedule",
     "costs_from_timelines",
+    "plan_pipeline",
     "plan_schedule",
     "rank_schedules",
+    "read_layers",
     "schedule_names",
     "simulate",
+    "static_bytes_for",
+    "write_layers",
 ]

@@ -15,6 +15,7 @@ F(s,m) to the end of W(s,m) or B(s,m), so its peak is the largest prefix sum of 
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -85,6 +86,35 @@ class Problem:
     @property
     def num_stages(self) -> int:
         return len(self.stage_to_rank)
+
+    def retimed(
+        self,
+        f: Sequence[float],
+        i: Sequence[float],
+        w: Sequence[float],
+        weight: Sequence[float],
+        limit: float | None,
+    ) -> Problem:
+        """This layout with other per-stage durations (``b`` = ``i + w``), memory weights and limit.
+
+        The dependency tables are shared, not rebuilt (they are most of a problem's cost): a
+        planner that scores one layout under many cuts of a model builds it once."""
+        n = self.num_stages
+        if not len(f) == len(i) == len(w) == len(weight) == n:
+            raise ScheduleError(f"retimed needs {n} values per stage")
+        new = copy.copy(self)
+        values = {
+            "f": tuple(f),
+            "i": tuple(i),
+            "w": tuple(w),
+            "b": tuple(x + y for x, y in zip(i, w, strict=True)),
+            "weight": tuple(weight),
+            "limit": limit,
+        }
+        for name, value in values.items():
+            object.__setattr__(new, name, value)
+        object.__setattr__(new, "_tables", self.tables.retimed(new))
+        return new
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_tables", _Tables(self))
@@ -314,6 +344,16 @@ class _Tables:
                     block, stage = divmod(slot // n_mb, n_st)
                     for producer in (KIND_I, KIND_B) if block == 1 else (block,):
                         self.users[producer][stage].append((kind, s))
+        self._costs(p)
+
+    def retimed(self, p: Problem) -> _Tables:
+        """These tables with ``p``'s durations and memory weights (same layout and latency)."""
+        new = copy.copy(self)
+        new._costs(p)
+        return new
+
+    def _costs(self, p: Problem) -> None:
+        n_st, n_mb = p.num_stages, p.num_microbatches
         self.dur, self.rank, self.delta = [], [], []
         for durations, sign in ((p.f, 1.0), (p.i, 0.0), (p.w, -1.0), (p.b, -1.0)):
             for s in range(n_st):

@@ -1,0 +1,127 @@
+"""What a cut of the layers costs per stage, and the memory a rank needs for a given order.
+
+The memory model is docs/semantics.md's "Planning the whole pipeline" and
+:mod:`pipetrain.plan.memory`'s (which :func:`~pipetrain.plan.simulate` applies): per rank, static
+bytes + the peak of held activations and message buffers + the largest transient. The planner
+scores thousands of cuts, so it uses a fast form here: a rank's peak of held activations under
+an order is the largest ``sum(count[s] * held[s])`` over the counts of (stage, microbatch)
+activations the order holds at once (a property of the order alone, computed once per order), a
+received input is held with its stage's activation, and the other message buffers add a margin
+of one of each. Every plan it returns is then simulated, and only one whose simulated peak fits
+is returned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import combinations, pairwise
+
+from pipetrain.plan.autoplan.problem import KIND_B, KIND_F, KIND_W, Orders, Problem
+from pipetrain.plan.costs import Costs
+from pipetrain.plan.pipeline.cuts import Cut
+from pipetrain.plan.pipeline.layers import LayerCost
+
+__all__ = ["Profile", "StageValues", "count_vectors", "masks_of"]
+
+Vectors = list[tuple[int, ...]]
+"""Per rank: the counts of activations held at once, one entry per stage of the rank (Pareto-maximal)."""
+
+
+class Profile:
+    """Prefix sums over a layer list: a stage's costs in O(1)."""
+
+    def __init__(self, layers: Sequence[LayerCost]) -> None:
+        self.layers = list(layers)
+        self.n = len(self.layers)
+        self.names = [layer.name for layer in self.layers]
+
+        def prefix(values: Sequence[float]) -> list[float]:
+            out = [0.0]
+            for x in values:
+                out.append(out[-1] + x)
+            return out
+
+        self.pf = prefix([layer.f for layer in self.layers])
+        self.pi = prefix([layer.i or 0.0 for layer in self.layers])
+        self.pw = prefix([layer.w or 0.0 for layer in self.layers])
+        self.pa = prefix([layer.activation_bytes for layer in self.layers])
+        self.ps = prefix([layer.static_bytes for layer in self.layers])
+        self.out = [layer.output_bytes for layer in self.layers]
+        self.times = [layer.time for layer in self.layers]
+        self.static = [layer.static_bytes for layer in self.layers]
+
+
+@dataclass(frozen=True)
+class StageValues:
+    """Per-stage values of one cut (before recompute): durations and bytes."""
+
+    f: tuple[float, ...]
+    i: tuple[float, ...]
+    w: tuple[float, ...]
+    act: tuple[float, ...]  # sum of activation_bytes
+    inp: tuple[float, ...]  # the input's size (previous layer's output; 0 for stage 0)
+    msg: tuple[float, ...]  # the output's size (last layer's output)
+    static: tuple[float, ...]
+
+    @classmethod
+    def of(cls, profile: Profile, cut: Cut) -> StageValues:
+        pf, pi, pw, pa, ps, out = profile.pf, profile.pi, profile.pw, profile.pa, profile.ps, profile.out
+        pairs = list(pairwise(cut))
+        return cls(
+            tuple(pf[b] - pf[a] for a, b in pairs),
+            tuple(pi[b] - pi[a] for a, b in pairs),
+            tuple(pw[b] - pw[a] for a, b in pairs),
+            tuple(pa[b] - pa[a] for a, b in pairs),
+            tuple(out[a - 1] if a > 0 else 0.0 for a, _ in pairs),
+            tuple(out[b - 1] for _, b in pairs),
+            tuple(ps[b] - ps[a] for a, b in pairs),
+        )
+
+    def costs(self, recompute: frozenset[int], comm: float) -> Costs:
+        """The per-stage :class:`Costs` that :func:`~pipetrain.plan.simulate` takes for this cut:
+        a recomputed stage's I costs its F more, it holds only its input and rebuilds its
+        activations as a transient; message sizes are the stages' outputs."""
+        n = len(self.f)
+        return Costs(
+            f=list(self.f),
+            i=[self.i[s] + (self.f[s] if s in recompute else 0.0) for s in range(n)],
+            w=list(self.w),
+            comm=comm,
+            activation_bytes=[self.held(s, recompute) for s in range(n)],
+            message_bytes=list(self.msg),
+            static_bytes=list(self.static),
+            transient_bytes=[self.act[s] if s in recompute else 0.0 for s in range(n)],
+        )
+
+    def held(self, s: int, recompute: frozenset[int] | set[int]) -> float:
+        return self.inp[s] if s in recompute else self.act[s]
+
+
+def masks_of(stages: Sequence[int]) -> list[frozenset[int]]:
+    """Every subset of ``stages`` (which of a rank's stages recompute), smallest first."""
+    return [frozenset(c) for k in range(len(stages) + 1) for c in combinations(stages, k)]
+
+
+def count_vectors(problem: Problem, orders: Orders, rank_stages: Sequence[Sequence[int]]) -> list[Vectors]:
+    """Per rank, the Pareto-maximal counts of activations held at once by ``orders``, one entry
+    per stage of ``rank_stages[rank]`` (a peak in bytes is the largest dot product with them)."""
+    n_mb = problem.num_microbatches
+    sm = problem.num_stages * n_mb
+    out: list[Vectors] = []
+    for rank, program in enumerate(orders):
+        stages = list(rank_stages[rank])
+        pos = {s: k for k, s in enumerate(stages)}
+        counts = [0] * len(stages)
+        seen: set[tuple[int, ...]] = set()
+        for code in program:
+            kind, rest = divmod(code, sm)
+            k = pos[rest // n_mb]
+            if kind == KIND_F:
+                counts[k] += 1
+                seen.add(tuple(counts))
+            elif kind == KIND_W or kind == KIND_B:
+                counts[k] -= 1
+        maximal = [v for v in seen if not any(u != v and all(a >= b for a, b in zip(u, v, strict=True)) for u in seen)]
+        out.append(sorted(maximal) or [tuple([0] * len(stages))])
+    return out
