@@ -1,4 +1,4 @@
-"""validate()'s fast path (``_accepts``) agrees with its full checks (``_check``).
+"""validate()'s fast path (``accepts``) agrees with its full checks (``_check``).
 
 The fast path may only accept: a schedule it accepts must pass the full checks, or an invalid
 schedule would get through. And on schedules without OVERLAP_F_B (which it leaves to the full
@@ -8,21 +8,19 @@ generator's schedules, compute-only and lowered, and on random edits of them.
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from pipetrain.plan import Schedule, ScheduleError, schedule_names
 from pipetrain.plan.actions import Action, ActionKind
-from pipetrain.plan.validate import _accepts, _check
+from pipetrain.plan.validate import _check
+from pipetrain.plan.validate import fast as fast_module
+from pipetrain.plan.validate.fast import accepts
 from support.schedules import build_or_none
 from support.schedules import mutate as mutate_schedule
 
 NAMES = schedule_names()
-# (the module: pipetrain.plan.validate is also the name of the function)
-validate_module = importlib.import_module("pipetrain.plan.validate")
 
 
 def _has_overlap(schedule: Schedule) -> bool:
@@ -39,7 +37,7 @@ def _full_verdict(schedule: Schedule, strict: bool) -> bool:
 
 def _agree(schedule: Schedule) -> None:
     for strict in (True, False):
-        fast = _accepts(schedule, strict)
+        fast = accepts(schedule, strict)
         full = _full_verdict(schedule, strict)
         assert not fast or full, "the fast path accepted a schedule the full checks reject"
         if not _has_overlap(schedule):
@@ -82,7 +80,7 @@ def test_fast_path_agrees_on_edited_schedules(config: tuple[str, int, int], vari
 
 def test_malformed_cells_go_to_the_full_checks() -> None:
     bad = Schedule({0: [Action.parse("0F0"), Action.parse("0B0")]})._derived({0: ["0F0"]})  # type: ignore[list-item]
-    assert not _accepts(bad, True)
+    assert not accepts(bad, True)
     with pytest.raises(ScheduleError, match="expected an Action or None"):
         bad.validate()
 
@@ -119,7 +117,7 @@ def _proof_verdicts(schedule: Schedule) -> tuple[list[bool], bool]:
     the strict model."""
     said: list[bool] = []
     ran: list[bool] = []
-    proof, execute = validate_module._timed_proof, validate_module._fast_execute
+    proof, execute = fast_module._timed_proof, fast_module._fast_execute
 
     def spy_proof(*args: object) -> bool:
         said.append(proof(*args))  # type: ignore[arg-type]
@@ -130,9 +128,9 @@ def _proof_verdicts(schedule: Schedule) -> tuple[list[bool], bool]:
         return execute(*args)  # type: ignore[arg-type]
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(validate_module, "_timed_proof", spy_proof)
-        patch.setattr(validate_module, "_fast_execute", spy_execute)
-        _accepts(schedule, True)
+        patch.setattr(fast_module, "_timed_proof", spy_proof)
+        patch.setattr(fast_module, "_fast_execute", spy_execute)
+        accepts(schedule, True)
     return said, bool(ran)
 
 

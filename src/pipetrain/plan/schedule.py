@@ -321,9 +321,13 @@ class Schedule:
         return out
 
     # ------------------------------------------------------------- checking
+    # validate() and lower() are shorthands for the functions of pipetrain.plan.validate and
+    # pipetrain.plan.lower. Those modules (and the passes under lower) sit above this one: they
+    # import Schedule, this module imports none of them. So these two methods import on call, the
+    # one deferred import in pipetrain.plan; everywhere else a module imports what it uses at the top.
     def validate(self) -> None:
         """Raise :class:`ScheduleError` naming rank, step, action and rule if this cannot run."""
-        from pipetrain.plan.validate import validate
+        from pipetrain.plan.validate import validate  # deferred: see above
 
         validate(self)
 
@@ -332,7 +336,7 @@ class Schedule:
 
         See :func:`pipetrain.plan.lower.lower` for the options.
         """
-        from pipetrain.plan.lower import lower
+        from pipetrain.plan.lower import lower  # deferred: see above
 
         return lower(self, **options)
 

@@ -22,6 +22,7 @@ from pipetrain.plan.dependencies import C_I, C_OVERLAP, C_W, CODE, Dependencies
 from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.execution import Walk
 from pipetrain.plan.schedule import Schedule
+from pipetrain.plan.validate import validate
 
 
 class UnitRun(NamedTuple):
@@ -192,7 +193,5 @@ def _overlap_ready(parts: tuple[Action, ...], deps: Dependencies, end: list[int]
 
 def _fail(schedule: Schedule, what: str) -> NoReturn:
     """Raise validate()'s message for ``schedule`` (``what`` only if it finds nothing)."""
-    from pipetrain.plan.validate import validate
-
     validate(schedule)
     raise ScheduleError(f"{what}; validate() it for details")
