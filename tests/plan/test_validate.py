@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import re
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -113,6 +114,42 @@ def test_out_of_range_after_edit() -> None:
     s = sched("0F0 0B0", "1F0 1B0")
     s.actions[0].append(Action(9, K.F, 0))
     assert "stage 9 does not exist" in rejected(s)
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "where"),
+    [
+        ("0B7", "0B9", "rank 0, step 15, action 0B9: microbatch 9"),  # the issue's case: 8 microbatches, a stray 9
+        ("0B0", "0B8", "rank 0, step 2, action 0B8: microbatch 8"),  # one past the last: 0..8 named, no forward of 8
+        ("1F3", "1F12", "rank 1, step 6, action 1F12: microbatch 12"),  # a stray forward
+    ],
+)
+def test_a_stray_microbatch_in_a_csv_is_named(tmp_path: Path, old: str, new: str, where: str) -> None:
+    """The number of microbatches of a CSV is its largest plus one: a stray 0B9 among 8 made it 10,
+    and the error named an innocent cell ("0F0: has no backward"). It names the stray cell."""
+    path = tmp_path / "stray.csv"
+    path.write_text(build_schedule("1F1B", 2, 8).to_csv_text().replace(old, new, 1))
+    schedule = Schedule.from_csv(path)
+    message = rejected(schedule)
+    assert message.startswith(f"{where} is outside 0..7 (no stage has a forward of microbatch 8)"), message
+    for lowering in ({}, {"comms": False}, {"merge_iw": True}):
+        with pytest.raises(ScheduleError) as by_lower:
+            schedule.lower(**lowering)
+        assert str(by_lower.value) == message
+
+
+def test_a_microbatch_past_a_given_count_is_named() -> None:
+    with pytest.raises(
+        ScheduleError, match=r"^rank 0, step 3, action 0B9: microbatch 9 is outside 0\.\.1 \(the schedule"
+    ):
+        sched("0F0 0F1 0B0 0B9", num_microbatches=2)
+
+
+def test_a_missing_microbatch_is_not_blamed_on_a_stray_one() -> None:
+    """Microbatch 1 left out on every stage, 2 complete: the gap is the error, not 2. Likewise a
+    count given larger than any microbatch named."""
+    assert "rank 0: stage 0 microbatch 1 has no forward 0F1" in rejected(sched("0F0 0B0 0F2 0B2", "1F0 1B0 1F2 1B2"))
+    assert "stage 0 microbatch 1 has no forward 0F1" in rejected(sched("0F0 0B0", num_microbatches=2))
 
 
 def test_non_action_cell() -> None:

@@ -220,9 +220,13 @@ class Schedule:
         if max_stage >= num_stages:
             raise ScheduleError(f"an action names stage {max_stage}, but the schedule has {num_stages} stages")
         if max_mb >= num_microbatches:
-            raise ScheduleError(
-                f"an action names microbatch {max_mb}, but the schedule has {count(num_microbatches, 'microbatches')}"
-            )
+            named = first_naming(self._actions, max_mb)  # "rank R, step K, action A"
+            has = count(num_microbatches, "microbatches")
+            if num_microbatches:
+                raise ScheduleError(
+                    f"{named}: microbatch {max_mb} is outside 0..{num_microbatches - 1} (the schedule has {has})"
+                )
+            raise ScheduleError(f"{named}: microbatch {max_mb} is named, but the schedule has {has}")
         _check_stages_placed(placement, num_stages)
         extra = [s for s in placement if not 0 <= s < num_stages]
         if extra:

@@ -18,6 +18,8 @@ from pipetrain.plan.schedule import Schedule, first_naming
 from pipetrain.plan.validate.gradients import check_unshard_first
 from pipetrain.plan.validate.index import COMPLETENESS, X_B, X_I, Index, where
 
+_NUMBERING = "microbatches must be numbered 0..M-1 without gaps, with an F on every stage for each"
+
 
 def structure(schedule: Schedule) -> Index:
     """The scan and the completeness check: every check short of matching messages and running."""
@@ -169,6 +171,45 @@ def _check_place(
 
 
 def _check_completeness(index: Index) -> None:
+    """Every (stage, microbatch) has its F and its backward; on a gap, the clearest reason."""
+    try:
+        _check_cells(index)
+    except ScheduleError:
+        stray = _past_the_count(index)  # a stray large microbatch explains a gap better
+        if stray is None:
+            raise
+        raise ScheduleError(stray) from None
+
+
+def _past_the_count(index: Index) -> str | None:
+    """The error for the first action past the microbatches the schedule runs, if it has one.
+
+    The number of microbatches is the largest one named plus one, so a stray ``0B9`` among eight
+    makes ten, and the first cell found incomplete is then some innocent ``0F0``. When microbatch k
+    has no forward on any stage and none above it has one on every stage, the schedule runs
+    0..k-1: name the first action past that range instead. (A microbatch above k with all its
+    forwards is a real one: k was left out, which the cell check says.) Runs only on a schedule
+    already found incomplete.
+    """
+    M, S, node_step = index.ids.M, index.ids.S, index.node_step
+    k = next((m for m in range(M) if all(node_step[s * M + m] < 0 for s in range(S))), M)
+    if k in (0, M) or any(all(node_step[s * M + m] >= 0 for s in range(S)) for m in range(k + 1, M)):
+        return None
+    for rank in range(index.schedule.num_ranks):
+        for step, action in enumerate(index.schedule.actions[rank]):
+            if action is None:
+                continue
+            for part in action.parts:
+                m = part.microbatch
+                if m is not None and m >= k:
+                    return (
+                        f"{where(rank, step, action)}: microbatch {m} is outside 0..{k - 1} (no stage has a forward "
+                        f"of microbatch {k}); {_NUMBERING}"
+                    )
+    return None  # (a count given larger than any microbatch named: the gap is the message)
+
+
+def _check_cells(index: Index) -> None:
     ids, rank_of, node_step, x_kind = index.ids, index.rank_of, index.node_step, index.x_kind
     S, M, SM = ids.S, ids.M, ids.SM
     backward = index.has_backward
