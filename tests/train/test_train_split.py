@@ -257,3 +257,86 @@ def test_model_paths_name_every_kind_of_layer_container() -> None:
             split_layers([net.blocks, net.blocks[0]], parts, model=net)
     # layer_times takes any iterable of layers, a generator too.
     assert len(layer_times((m for m in attn), torch.randn(2, 4), repeats=1)) == 3
+
+
+# ------------------------------------------------------------- a plan's cut, the loss, one cut for all
+
+
+def test_time_cuts_count_the_loss_in_the_last_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    import pipetrain.split as split
+
+    calls: list[torch.Tensor] = []
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        calls.append(out)
+        return nn.functional.cross_entropy(out, target)
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 50))
+    x, y = torch.randn(6, 4), torch.randint(0, 50, (6,))
+    times = layer_times(model, x, repeats=2, loss_fn=loss_fn, target=y)
+    assert len(times) == 3 and len(calls) == 3  # the last layer's warm-up and two timed runs
+    assert all(t.shape == (6, 50) for t in calls)
+    assert all(p.grad is None for p in model.parameters())
+    with pytest.raises(ValueError, match="loss_fn and target together"):
+        layer_times(model, x, loss_fn=loss_fn)
+    # split_* pass the loss on to the measurement.
+    seen: dict[str, object] = {}
+
+    def fake_times(layers: object, sample: object, **kwargs: object) -> list[float]:
+        seen.update(kwargs)
+        return [1.0, 1.0, 5.0]
+
+    monkeypatch.setattr(split, "layer_times", fake_times)
+    stages = split_sequential(model, 2, by="time", sample_input=x, loss_fn=loss_fn, target=y)
+    assert seen["loss_fn"] is loss_fn and seen["target"] is y
+    assert [list(s._modules) for s in stages] == [["0", "1"], ["2"]]
+
+
+def test_split_by_names_builds_a_plans_stages() -> None:
+    from pipetrain.recompute import is_recomputed
+    from pipetrain.split import split_by_names, stage_cut
+
+    torch.manual_seed(0)
+    net = _Net()
+    named = [("embed", net.embed), *((f"blocks.{k}", b) for k, b in enumerate(net.blocks)), ("head", net.head)]
+    cut = [["embed", "blocks.0"], ["blocks.1", "blocks.2", "blocks.3"], ["head"]]
+    for layers in (named, dict(named), net):  # (name, layer) pairs, a mapping, or the model's own paths
+        stages = split_by_names(layers, cut, recompute={1})
+        assert [is_recomputed(s) for s in stages] == [False, True, False]
+        assert [k for s in stages for k in s.state_dict()] == list(net.state_dict())
+        tokens = torch.randint(0, 10, (2, 5))
+        y = tokens
+        for stage in stages:
+            y = stage(y)
+        torch.testing.assert_close(y, net(tokens), rtol=0, atol=0)
+        info = stage_cut(stages[1])
+        assert info is not None and info.index == 1 and info.layers == tuple(tuple(s) for s in cut)
+        assert type(info).from_dict(info.to_dict()) == info
+    errors = {
+        "missing": [["embed", "blocks.0"], ["blocks.1", "blocks.2"], ["head"]],
+        "not layers of the model": [["embed", "blocks.0", "blocks.1", "blocks.2", "blocks.3"], ["head", "tail"]],
+        "out of order": [["blocks.0", "embed"], ["blocks.1", "blocks.2", "blocks.3", "head"]],
+        "more than one stage": [["embed", "blocks.0"], ["blocks.0", "blocks.1", "blocks.2", "blocks.3", "head"]],
+        "stage 1 has no layers": [["embed", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "head"], []],
+    }
+    for words, bad in errors.items():
+        with pytest.raises(ValueError, match=words):
+            split_by_names(named, bad)
+    with pytest.raises(ValueError, match="no submodule 'tail'"):
+        split_by_names(net, [["embed"], ["tail"]])
+    with pytest.raises(ValueError, match="recompute names stage 3, but there are 3 stages"):
+        split_by_names(named, cut, recompute={3})
+
+
+def test_stages_for_rank_follows_the_placement() -> None:
+    from pipetrain.plan import build_schedule
+    from pipetrain.split import stages_for_rank
+
+    stages = split_sequential(nn.Sequential(*[nn.Linear(2, 2) for _ in range(8)]), 4)
+    v = build_schedule("ZBVZeroBubble", 2, 4, 2)
+    assert [s for s, _ in stages_for_rank(stages, v.stage_to_rank, 0)] == [0, 3]
+    assert [m for _, m in stages_for_rank(stages, v, 1)] == [stages[1], stages[2]]
+    loop = build_schedule("Interleaved1F1B", 2, 4, 2)
+    assert [s for s, _ in stages_for_rank(stages, loop, 1)] == [1, 3]
+    with pytest.raises(ValueError, match="covers stages"):
+        stages_for_rank(stages[:3], v, 0)

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from pipetrain.errors import PipelineError
 from pipetrain.plan import Action, Schedule
 from pipetrain.plan.timeline import Timeline, TimelineEvent
+from pipetrain.runtime.agreement import agree_stages
 from pipetrain.runtime.data_parallel import default_lowering, dp_kind, hold_grad_sync
 from pipetrain.runtime.device_timing import DeviceClock, device_clock, on_device_times
 from pipetrain.runtime.driver import Events, StepDriver, events_timeline
@@ -279,6 +280,16 @@ class PipelineScheduleRuntime(StepDriver):
         if first:
             try:
                 agree(self._failure, prepared.base, self.rank, self.timeout, self.poll_interval, self._where)
+                # Stages cut from one model must come from one cut (runtime.agreement).
+                agree_stages(
+                    self._failure,
+                    prepared.base,
+                    self._stage_list,
+                    self.rank,
+                    self.timeout,
+                    self.poll_interval,
+                    self._where,
+                )
             except Exception as exc:
                 # Nothing was posted yet, so the group stays usable (no failure notice is sent: a
                 # peer that did not get past its agreement would take it in its next round). Peers

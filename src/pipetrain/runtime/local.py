@@ -24,6 +24,7 @@ from pipetrain.errors import PipelineError
 from pipetrain.plan import Schedule, ScheduleError, build_schedule
 from pipetrain.plan.generators import family
 from pipetrain.plan.timeline import Timeline
+from pipetrain.runtime.agreement import check_local
 from pipetrain.runtime.driver import StepDriver, events_timeline
 from pipetrain.runtime.executor import LossFn, RankExecutor, StepData
 from pipetrain.runtime.prepare import Prepared, prepare_for
@@ -126,6 +127,7 @@ class LocalPipeline(StepDriver):
             loss_fn, scale_grads, args_chunk_spec, kwargs_chunk_spec, output_merge_spec, backward_requires_autograd
         )
         self.stages = [PipelineStage(m, i, len(modules), device) for i, m in enumerate(modules)]
+        check_local(self.stages)  # modules cut by pipetrain.split: one cut, each at its place
         self._lower_options = dict(lower_options or {})
         # Its mailboxes pair a rank pair's messages in order and let each operation progress on its
         # own: gloo's matching model, early receives included.
