@@ -1,8 +1,10 @@
-"""Cost model for the simulator: how long each kind of action takes, per stage.
+"""Cost model for the simulator: how long each kind of action takes and what it holds, per stage.
 
 Durations are in any unit (the papers use "one forward = 1"). Each of ``f``, ``b``, ``i``, ``w``
-is a number or one number per stage, because first and last stages are often heavier
-(embedding, loss head).
+and the byte sizes is a number or one number per stage, because first and last stages are often
+heavier (embedding, loss head). A :class:`Costs` describes stages; :meth:`Costs.per_rank` makes
+one that describes a rank's share of the model instead, which :func:`~pipetrain.plan.simulate`
+and the planners cut into the stages each schedule puts on a rank.
 """
 
 from __future__ import annotations
@@ -10,9 +12,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING, Any
 
 from pipetrain.plan.actions import Action, ActionKind
 from pipetrain.plan.errors import ScheduleError
+
+if TYPE_CHECKING:
+    from pipetrain.plan.schedule import Schedule
 
 __all__ = ["Costs", "PerStage"]
 
@@ -20,6 +26,9 @@ PerStage = float | Sequence[float]
 """A number used for every stage, or one number per stage."""
 
 _DEFAULT = 1.0
+_BYTES = ("activation_bytes", "weight_grad_bytes", "message_bytes", "static_bytes", "transient_bytes")
+_PER_STAGE = ("f", "b", "i", "w", *_BYTES)
+_SHARES = ("stage", "rank")
 
 
 def _check(name: str, value: PerStage | None) -> PerStage | None:
@@ -47,12 +56,17 @@ def _check_stage_counts(costs: Costs) -> None:
     """Per-stage values given for several costs must agree on the number of stages."""
     counts = {
         ("bytes" if name == "activation_bytes" else name): len(v)
-        for name in ("f", "b", "i", "w", "activation_bytes")
+        for name in _PER_STAGE
         if isinstance(v := getattr(costs, name), tuple)
     }
     if len(set(counts.values())) > 1:
         each = ", ".join(f"{name} {count}" for name, count in counts.items())
         raise ScheduleError(f"per-stage costs disagree on the number of stages: {each} values")
+
+
+def _check_share(share: str) -> None:
+    if share not in _SHARES:
+        raise ScheduleError(f"Costs share must be 'stage' (per-stage costs) or 'rank' (a rank's share), got {share!r}")
 
 
 def _combine(a: PerStage, b: PerStage, op: str) -> PerStage:
@@ -83,7 +97,21 @@ class Costs:
     ``sum - overlap * (sum - longest part)`` (0: one after the other, 1: as long as its longest
     part, DualPipe's ideal F&B). ``send``, ``recv``, ``unshard``, ``reshard`` and ``reduce_grad``
     are rank time spent on those actions (0: they are posted and run in the background).
-    ``activation_bytes`` (per stage) lets the simulator report memory in bytes too.
+    Memory (bytes, per stage and microbatch unless said; docs/semantics.md, "Memory"):
+    ``activation_bytes`` what a forward keeps for its backward (its output included), held from
+    the start of F until its last backward ends; ``weight_grad_bytes`` what a split backward
+    holds from the end of its I until its W ends instead (W's inputs and output gradients;
+    default: the activation bytes); ``message_bytes`` the size of the stage's output
+    (and of its gradient), which the simulator counts as message buffers from a RECV's post until
+    its consumer is done and from a SEND's post until delivery; ``static_bytes`` what the stage
+    holds for the whole step (parameters, gradients, optimizer state); ``transient_bytes`` what a
+    backward of the stage allocates beyond that (a recomputed stage rebuilding its activations):
+    a rank's peak adds its largest. With any of them the simulator reports peaks in bytes.
+
+    ``share``: ``"stage"`` (the default) when plain numbers describe one stage, ``"rank"`` when
+    they describe one rank's share of the model (:meth:`per_rank`); :meth:`for_schedule` turns
+    the latter into per-stage costs for a given schedule. Per-stage sequences always describe
+    stages as they are.
     """
 
     f: PerStage = _DEFAULT
@@ -98,9 +126,15 @@ class Costs:
     reshard: float = 0.0
     reduce_grad: float = 0.0
     activation_bytes: PerStage | None = None
+    weight_grad_bytes: PerStage | None = None
+    message_bytes: PerStage | None = None
+    static_bytes: PerStage | None = None
+    transient_bytes: PerStage | None = None
+    share: str = "stage"
 
     def __post_init__(self) -> None:
-        for name in ("f", "b", "i", "w", "activation_bytes"):
+        _check_share(self.share)
+        for name in _PER_STAGE:
             object.__setattr__(self, name, _check(name, getattr(self, name)))
         if self.f is None:
             raise ScheduleError("cost f is required")
@@ -135,32 +169,63 @@ class Costs:
         object.__setattr__(self, "i", i)
         object.__setattr__(self, "w", w)
 
-    # ------------------------------------------------------------ lookups
-    def cut_into(self, stages_per_rank: float) -> Costs:
-        """Costs of one stage when a rank's share of the model, which plain numbers describe, is
-        cut into ``stages_per_rank`` stages: plain f, b, i, w (and activation bytes) divide by it.
+    # ------------------------------------------------------------ shares
+    @classmethod
+    def per_rank(cls, **values: Any) -> Costs:
+        """Costs whose plain numbers are one rank's share of the model (``Costs(..., share="rank")``).
 
-        Costs holding any per-stage sequence measure stages as they are and stay unchanged. This
-        is how ``compare`` and the auto-planner put schedules with different stage counts on one model.
+        A schedule with V stages per rank runs each stage in 1/V of them (durations, activation,
+        static and transient bytes; a message between stages keeps its size). This is what the
+        command line's ``--costs`` means, and what lets schedules with different stage counts be
+        compared on one model.
         """
-        values = (self.f, self.b, self.i, self.w, self.activation_bytes)
-        if stages_per_rank == 1 or any(not isinstance(v, float | None) for v in values):
-            return self
+        return cls(**values, share="rank")
 
-        def share(value: PerStage | None) -> PerStage | None:
+    @property
+    def fixes_stages(self) -> bool:
+        """Whether a per-stage sequence among the costs fixes the number of stages."""
+        return any(isinstance(getattr(self, name), tuple) for name in _PER_STAGE)
+
+    def cut_into(self, stages_per_rank: float) -> Costs:
+        """Per-stage costs when a rank's share of the model is cut into ``stages_per_rank`` stages:
+        plain f, b, i, w, activation, static and transient bytes divide by it (message sizes stay).
+
+        Costs holding any per-stage sequence measure stages as they are: they are only marked
+        per stage. The result always has ``share="stage"``.
+        """
+        if stages_per_rank == 1 or self.fixes_stages:
+            return self if self.share == "stage" else replace(self, share="stage")
+
+        def part(value: PerStage | None) -> PerStage | None:
             return value / stages_per_rank if isinstance(value, float) else value
 
         return replace(
             self,
-            f=share(self.f) or 0.0,
-            b=share(self.b),
-            i=share(self.i),
-            w=share(self.w),
-            activation_bytes=share(self.activation_bytes),
+            f=part(self.f) or 0.0,
+            b=part(self.b),
+            i=part(self.i),
+            w=part(self.w),
+            activation_bytes=part(self.activation_bytes),
+            weight_grad_bytes=part(self.weight_grad_bytes),
+            static_bytes=part(self.static_bytes),
+            transient_bytes=part(self.transient_bytes),
+            share="stage",
         )
 
+    def for_schedule(self, schedule: Schedule) -> Costs:
+        """These costs per stage of ``schedule``: unchanged for per-stage costs; a rank's share is
+        cut into the stages each rank holds (V when every rank holds V, else one: stages spread
+        unevenly take a rank's share each)."""
+        if self.share == "stage":
+            return self
+        held = [len(schedule.stages_of(r)) for r in range(schedule.num_ranks)]
+        v = held[0] if held and min(held) == max(held) > 0 else 1
+        return self.cut_into(v)
+
+    # ------------------------------------------------------------ lookups
+
     def per_stage(self, name: str, num_stages: int) -> list[float]:
-        """The cost ``name`` ("f", "b", "i", "w", "activation_bytes") as one value per stage."""
+        """The cost ``name`` ("f", "b", "i", "w" or one of the byte sizes) as one value per stage."""
         value = getattr(self, name)
         if value is None:
             raise ScheduleError(f"cost {name} is not set")
@@ -195,8 +260,13 @@ class Costs:
     @classmethod
     def parse(cls, text: str) -> Costs:
         """Read ``f=1,b=2,i=1,w=1,comm=0``; per-stage values separate with ``:`` (``f=2:1:1:2``)."""
-        known = {f.name for f in fields(cls)}
-        aliases = {"bytes": "activation_bytes"}
+        known = {f.name for f in fields(cls)} - {"share"}
+        aliases = {
+            "bytes": "activation_bytes",
+            "wbytes": "weight_grad_bytes",
+            "msg": "message_bytes",
+            "static": "static_bytes",
+        }
         kwargs: dict[str, PerStage] = {}
         for item in text.split(","):
             item = item.strip()
@@ -214,7 +284,7 @@ class Costs:
                 raise ScheduleError(
                     f"cannot read cost {item!r}: {raw!r} is not a number (per-stage: 1:2:2:1)"
                 ) from None
-            if len(values) > 1 and key not in ("f", "b", "i", "w", "activation_bytes"):
+            if len(values) > 1 and key not in _PER_STAGE:
                 raise ScheduleError(f"cost {key} takes one number, not per-stage values")
             kwargs[key] = values[0] if len(values) == 1 else tuple(values)
         return cls(**kwargs)  # type: ignore[arg-type]
@@ -237,6 +307,13 @@ class Costs:
         for name in ("overlap", "send", "recv", "unshard", "reshard", "reduce_grad"):
             if getattr(self, name):
                 parts.append(f"{name}={getattr(self, name):g}")
-        if self.activation_bytes is not None:
-            parts.append(f"bytes={show(self.activation_bytes)}")
+        for name, label in (
+            ("activation_bytes", "bytes"),
+            ("weight_grad_bytes", "wbytes"),
+            ("message_bytes", "msg"),
+            ("static_bytes", "static"),
+            ("transient_bytes", "transient_bytes"),
+        ):
+            if getattr(self, name) is not None:
+                parts.append(f"{label}={show(getattr(self, name))}")
         return ",".join(parts)

@@ -14,10 +14,11 @@ Semantics (docs/semantics.md, "Simulation"):
   cost model gives them (0 by default: posted and run in the background).
 - OVERLAP_F_B waits for the inputs of all its parts, takes ``Costs.overlapped`` of their
   durations, and its parts' outputs are ready when it ends.
-- Memory: the activation of (s,m) is held on rank(s) from the start of F(s,m) until the end of
-  B(s,m), or of W(s,m) when the backward is split; forward-only schedules free it when F ends.
-  At equal times a rank's allocations and frees count in its program order (an action ending
-  when the next starts frees first), so zero-duration actions still hold memory.
+- Memory (:mod:`pipetrain.plan.memory`): the activation of (s,m) is held on rank(s) from the
+  start of F(s,m) until the end of B(s,m), or of W(s,m) when the backward is split; forward-only
+  schedules free it when F ends. With byte costs, message buffers, static and transient bytes
+  count too. At equal times a rank's allocations and frees count in its program order (an action
+  ending when the next starts frees first), so zero-duration actions still hold memory.
 - ``busy`` is time spent in compute actions; ``bubble`` = 1 - busy / (ranks * makespan).
 
 The times form a longest-path problem over a DAG (rank order plus data edges), solved by one
@@ -49,7 +50,6 @@ from pipetrain.plan.dependencies import (
     C_UNSHARD,
     C_W,
     CODE,
-    F_DONE,
     NUM_KEY_BLOCKS,
     RECEIVED,
     SENT,
@@ -59,6 +59,7 @@ from pipetrain.plan.dependencies import (
 )
 from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.execution import Walk
+from pipetrain.plan.memory import Cells, peak_memory, record_part
 from pipetrain.plan.schedule import Schedule
 from pipetrain.plan.timeline import Timeline, TimelineEvent
 from pipetrain.plan.validate import check_structure, validate
@@ -71,8 +72,10 @@ class SimResult:
     """What a simulation found. Times are in the cost model's units.
 
     ``peak_memory[rank]`` is the peak number of (stage, microbatch) activations held, reached
-    first at ``peak_memory_time[rank]``; ``peak_memory_bytes`` is set when the costs give
-    ``activation_bytes``. ``lower_bound`` is a makespan no order of these actions can beat:
+    first at ``peak_memory_time[rank]``; ``peak_memory_bytes`` is set when the costs give any
+    byte size: static bytes + the peak of activations and message buffers + the largest transient
+    (:mod:`pipetrain.plan.memory`). ``costs`` are the per-stage costs simulated (a rank's share
+    cut into this schedule's stages). ``lower_bound`` is a makespan no order of these actions can beat:
     the larger of the longest dependency chain and, over ranks, the rank's compute time plus
     the earliest time its first input can arrive.
     """
@@ -256,11 +259,10 @@ def simulate(schedule: Schedule, costs: Costs | None = None, *, check: bool = Tr
 
 
 def _simulate(schedule: Schedule, costs: Costs | None) -> SimResult:
-    costs = Costs() if costs is None else costs
+    costs = Costs() if costs is None else costs.for_schedule(schedule)  # (a rank's share: cut per stage)
     n_st, n_mb, n_rk = schedule.num_stages, schedule.num_microbatches, schedule.num_ranks
     n_cells = n_st * n_mb
     rank_of = [schedule.stage_to_rank.get(s, -1) for s in range(n_st)]
-    act_bytes = None if costs.activation_bytes is None else costs.per_stage("activation_bytes", n_st)
     comm = costs.comm
     programs = [schedule.actions[r] for r in range(n_rk)]
 
@@ -292,6 +294,7 @@ def _simulate(schedule: Schedule, costs: Costs | None) -> SimResult:
     def account(code: int, idx: int, d: float, start: float, end: float, eid: int) -> None:
         """Record a compute part's duration and its activation's alloc/free times (and event)."""
         part_dur[code][idx] = d
+        record_part(cells, code, idx, eid, end)
         if code == C_F:
             alloc_at[idx] = start
             alloc_ev[idx] = eid
@@ -311,12 +314,18 @@ def _simulate(schedule: Schedule, costs: Costs | None) -> SimResult:
     busy = [0.0] * n_rk
     first_start = [-1.0] * n_rk
     last_end = [0.0] * n_rk
-    alloc_at = [0.0] * n_cells
-    free_at: list[float | None] = [None] * n_cells
     # Event numbers of the allocating and freeing actions: they order a rank's memory changes that
     # happen at one time (all of them, when costs are 0) the way the rank runs them.
-    alloc_ev = [0] * n_cells
-    free_ev = [0] * n_cells
+    cells = Cells(
+        [0.0] * n_cells,
+        [0] * n_cells,
+        [None] * n_cells,
+        [0] * n_cells,
+        [None] * n_cells,
+        [None] * n_cells,
+        [False] * n_cells,
+    )
+    alloc_at, alloc_ev, free_at, free_ev = cells.alloc_at, cells.alloc_ev, cells.free_at, cells.free_ev
     waiting_on: dict[int, int] = {}
     num_sends = 0
     last_delivery = 0.0
@@ -401,9 +410,7 @@ def _simulate(schedule: Schedule, costs: Costs | None) -> SimResult:
 
     makespan = max(max(clock, default=0.0), last_delivery)  # a step ends when every message is delivered
 
-    peak, peak_time, peak_bytes, peak_bytes_time = _memory(
-        rank_of, (alloc_at, alloc_ev), (free_at, free_ev), value, n_cells, n_mb, act_bytes, n_rk
-    )
+    peaks = peak_memory(rank_of, n_mb, n_rk, cells, costs, events)
     return SimResult(
         schedule_name=schedule.name,
         num_ranks=n_rk,
@@ -413,10 +420,10 @@ def _simulate(schedule: Schedule, costs: Costs | None) -> SimResult:
         makespan=makespan,
         busy={r: busy[r] for r in range(n_rk)},
         span={r: (max(first_start[r], 0.0), last_end[r]) for r in range(n_rk)},
-        peak_memory=peak,
-        peak_memory_time=peak_time,
-        peak_memory_bytes=peak_bytes,
-        peak_memory_bytes_time=peak_bytes_time,
+        peak_memory=peaks.count,
+        peak_memory_time=peaks.count_time,
+        peak_memory_bytes=peaks.bytes,
+        peak_memory_bytes_time=peaks.bytes_time,
         lower_bound=_lower_bound(
             Dependencies(n_st, n_mb, rank_of, lowered=False) if lowered else deps, part_dur, busy, comm, n_rk
         ),
@@ -447,58 +454,6 @@ def _with_delivery_times(
                     end = max(end, delivered)
         out.append((rank, action, start, end, pred))
     return out
-
-
-def _memory(
-    rank_of: list[int],
-    alloc: tuple[list[float], list[int]],
-    free: tuple[list[float | None], list[int]],
-    value: list[float | None],
-    n_cells: int,
-    n_mb: int,
-    act_bytes: list[float] | None,
-    n_rk: int,
-) -> tuple[dict[int, int], dict[int, float], dict[int, float] | None, dict[int, float] | None]:
-    """Peak held activations per rank (and bytes), by a sweep over alloc/free times.
-
-    Changes at one time sort by the event that makes them (the rank's program order), then an
-    action's allocation before its own free: with positive durations that is "frees first", and
-    with zero durations a forward still holds its activation until its backward.
-    """
-    alloc_at, alloc_ev = alloc
-    free_at, free_ev = free
-    per_rank: list[list[tuple[float, int, int, int]]] = [[] for _ in range(n_rk)]
-    for idx in range(n_cells):
-        if value[F_DONE * n_cells + idx] is None:
-            continue  # never computed
-        s = idx // n_mb
-        r = rank_of[s]
-        per_rank[r].append((alloc_at[idx], alloc_ev[idx], 0, s))
-        freed = free_at[idx]
-        if freed is not None:
-            per_rank[r].append((freed, free_ev[idx], 1, s))
-    peak: dict[int, int] = {}
-    peak_time: dict[int, float] = {}
-    peak_b: dict[int, float] = {}
-    peak_b_time: dict[int, float] = {}
-    for r in range(n_rk):
-        held = best = 0
-        held_b = best_b = 0.0
-        at = at_b = 0.0
-        for t, _, is_free, s in sorted(per_rank[r]):
-            delta = -1 if is_free else 1
-            held += delta
-            if held > best:
-                best, at = held, t
-            if act_bytes is not None:
-                held_b += delta * act_bytes[s]
-                if held_b > best_b:
-                    best_b, at_b = held_b, t
-        peak[r], peak_time[r] = best, at
-        peak_b[r], peak_b_time[r] = best_b, at_b
-    if act_bytes is None:
-        return peak, peak_time, None, None
-    return peak, peak_time, peak_b, peak_b_time
 
 
 def _lower_bound(

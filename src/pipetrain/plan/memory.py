@@ -1,0 +1,230 @@
+"""The memory model: what each rank holds over a simulated step (docs/semantics.md, "Memory").
+
+One implementation, read by :func:`~pipetrain.plan.simulate` (and so by every planner that
+scores with it). Per rank:
+
+- *activations*: the (stage, microbatch) activation is held from the start of its F until its
+  last backward ends (B, or W when split; F's end in a forward-only schedule); with
+  ``Costs.weight_grad_bytes`` a split backward holds that instead from the end of its I until
+  its W ends (what W reads: its layers' inputs and output gradients);
+- *message buffers* (with ``Costs.message_bytes``): a stage's output crossing to another rank is
+  a buffer on the sender from the SEND's post (compute-only: the F's end) until the message is
+  delivered, and on the receiver from the RECV's post (compute-only: delivery) until the
+  receiving stage's last backward of it ends (its input is kept for backward); a gradient
+  likewise from the I/B that makes it until delivery, and from its RECV until the I/B that uses
+  it ends; between stages of one rank a gradient is held from the I/B that makes it until the
+  I/B that uses it ends;
+- *static*: the sum of ``static_bytes`` of the rank's stages, held throughout;
+- *transient*: the largest ``transient_bytes`` of the rank's stages with a backward (one
+  backward at a time rebuilds what a recomputed stage dropped).
+
+peak bytes = static + the peak over time of activations and buffers + transient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipetrain.plan.actions import Action
+from pipetrain.plan.costs import Costs
+from pipetrain.plan.dependencies import C_B, C_F, C_I, C_RECV_B, C_RECV_F, C_SEND_B, C_SEND_F, CODE
+
+__all__ = ["Cells", "Peaks", "peak_memory", "record_part"]
+
+_BYTE_COSTS = ("activation_bytes", "weight_grad_bytes", "message_bytes", "static_bytes", "transient_bytes")
+_LATE = 1 << 62  # event order of a delivery: after everything a rank starts at the same time
+Event = tuple[int, Action, float, float, int]  # (rank, action, start, end, predecessor)
+Change = tuple[float, int, int, int, float]  # (time, event, 0 alloc | 1 free, count delta, bytes delta)
+
+
+@dataclass
+class Peaks:
+    """Per rank: peak activations held (count) and, when costs give bytes, the peak in bytes."""
+
+    count: dict[int, int]
+    count_time: dict[int, float]
+    bytes: dict[int, float] | None
+    bytes_time: dict[int, float] | None
+
+
+@dataclass
+class Cells:
+    """Per (stage, microbatch) cell, index ``stage * M + microbatch``: when its activation is
+    allocated and freed, and (event, end) of its F and of its input-gradient backward (I or B)."""
+
+    alloc_at: list[float]
+    alloc_ev: list[int]
+    free_at: list[float | None]
+    free_ev: list[int]
+    f_end: list[tuple[int, float] | None]
+    grad_end: list[tuple[int, float] | None]
+    split: list[bool]  # the input gradient came from an I (a W follows)
+
+
+def peak_memory(
+    rank_of: list[int],
+    n_mb: int,
+    n_rk: int,
+    cells: Cells,
+    costs: Costs,
+    events: list[Event] | None,
+) -> Peaks:
+    """Peaks by a sweep over each rank's allocations and frees (``events``: the simulation's, for
+    message buffers; None skips them).
+
+    Changes at one time sort by the event that makes them (the rank's program order), then an
+    action's allocation before its own free: with positive durations that is "frees first", and
+    with zero durations a forward still holds its activation until its backward. A delivery frees
+    after everything else at its time (the runtime sees a send complete only at its next action).
+    """
+    n_st = len(rank_of)
+    per_rank: list[list[Change]] = [[] for _ in range(n_rk)]
+    act = None if costs.activation_bytes is None else costs.per_stage("activation_bytes", n_st)
+    wgrad = None if costs.weight_grad_bytes is None else costs.per_stage("weight_grad_bytes", n_st)
+    for idx in range(n_st * n_mb):
+        if cells.f_end[idx] is None:
+            continue  # never computed
+        s = idx // n_mb
+        r = rank_of[s]
+        b = act[s] if act is not None else 0.0
+        per_rank[r].append((cells.alloc_at[idx], cells.alloc_ev[idx], 0, 1, b))
+        freed = cells.free_at[idx]
+        if freed is None:
+            continue
+        i_end = cells.grad_end[idx]
+        if wgrad is not None and cells.split[idx] and i_end is not None:
+            # From the I on, the microbatch holds what its W reads instead.
+            per_rank[r].append((i_end[1], i_end[0], 0, 0, wgrad[s] - b))
+            b = wgrad[s]
+        per_rank[r].append((freed, cells.free_ev[idx], 1, -1, -b))
+    in_bytes = any(getattr(costs, name) is not None for name in _BYTE_COSTS)
+    if costs.message_bytes is not None and events is not None:
+        _message_buffers(per_rank, rank_of, n_mb, cells, costs.per_stage("message_bytes", n_st), costs.comm, events)
+    peaks = Peaks({}, {}, {} if in_bytes else None, {} if in_bytes else None)
+    static = _per_rank_sum(costs, "static_bytes", rank_of, n_rk)
+    transient = _per_rank_max(costs, "transient_bytes", rank_of, n_rk, cells, n_mb)
+    for r in range(n_rk):
+        held = best = 0
+        held_b = best_b = 0.0
+        at = at_b = 0.0
+        for t, _, _, dc, db in sorted(per_rank[r]):
+            held += dc
+            if held > best:
+                best, at = held, t
+            held_b += db
+            if held_b > best_b:
+                best_b, at_b = held_b, t
+        peaks.count[r], peaks.count_time[r] = best, at
+        if peaks.bytes is not None and peaks.bytes_time is not None:
+            peaks.bytes[r] = static[r] + best_b + transient[r]
+            peaks.bytes_time[r] = at_b
+    return peaks
+
+
+def _per_rank_sum(costs: Costs, name: str, rank_of: list[int], n_rk: int) -> list[float]:
+    out = [0.0] * n_rk
+    if getattr(costs, name) is not None:
+        for s, value in enumerate(costs.per_stage(name, len(rank_of))):
+            if rank_of[s] >= 0:
+                out[rank_of[s]] += value
+    return out
+
+
+def _per_rank_max(costs: Costs, name: str, rank_of: list[int], n_rk: int, cells: Cells, n_mb: int) -> list[float]:
+    out = [0.0] * n_rk
+    if getattr(costs, name) is not None:
+        for s, value in enumerate(costs.per_stage(name, len(rank_of))):
+            backward = any(cells.grad_end[s * n_mb + m] is not None for m in range(n_mb))
+            if rank_of[s] >= 0 and backward:
+                out[rank_of[s]] = max(out[rank_of[s]], value)
+    return out
+
+
+def _message_buffers(
+    per_rank: list[list[Change]],
+    rank_of: list[int],
+    n_mb: int,
+    cells: Cells,
+    size: list[float],
+    comm: float,
+    events: list[Event],
+) -> None:
+    """Add each message's buffers (see the module docs) to ``per_rank``."""
+    posts: dict[tuple[int, int, int], tuple[float, int]] = {}  # (code, stage, mb) -> (post time, event)
+    for eid, (_, action, start, _, _) in enumerate(events):
+        code = CODE[action.kind]
+        if C_SEND_F <= code <= C_RECV_B and action.microbatch is not None:
+            posts[(code, action.stage, action.microbatch)] = (start, eid)
+    buffers = _Buffers(per_rank, posts, comm)
+    for s in range(len(rank_of) - 1):
+        r0, r1, b = rank_of[s], rank_of[s + 1], size[s]
+        if b == 0:
+            continue
+        for m in range(n_mb):
+            out, nxt = s * n_mb + m, (s + 1) * n_mb + m
+            f = cells.f_end[out]
+            if f is None:
+                continue
+            g_up, g_here = cells.grad_end[nxt], cells.grad_end[out]
+            end_here = None if g_here is None else (g_here[1], g_here[0])
+            if r0 == r1:  # a gradient handed over in memory
+                if g_up is not None:
+                    buffers.hold(r0, b, (g_up[1], g_up[0]), end_here)
+                continue
+            freed = cells.free_at[nxt]
+            consumer = None if freed is None else (freed, cells.free_ev[nxt])
+            buffers.message((C_SEND_F, s, m), (C_RECV_F, s + 1, m), r0, r1, b, (f[1], f[0]), consumer)
+            if g_up is not None:
+                buffers.message((C_SEND_B, s + 1, m), (C_RECV_B, s, m), r1, r0, b, (g_up[1], g_up[0]), end_here)
+
+
+class _Buffers:
+    """The changes of message buffers: held from a start (time, event) until an end (or forever)."""
+
+    def __init__(self, per_rank: list[list[Change]], posts: dict[tuple[int, int, int], tuple[float, int]], comm: float):
+        self.per_rank = per_rank
+        self.posts = posts
+        self.lowered = bool(posts)
+        self.comm = comm
+
+    def hold(self, r: int, b: float, start: tuple[float, int], end: tuple[float, int] | None) -> None:
+        self.per_rank[r].append((start[0], start[1], 0, 0, b))
+        if end is not None:
+            self.per_rank[r].append((end[0], end[1], 1, 0, -b))
+
+    def message(
+        self,
+        send_key: tuple[int, int, int],
+        recv_key: tuple[int, int, int],
+        sender: int,
+        receiver: int,
+        b: float,
+        made: tuple[float, int],
+        used: tuple[float, int] | None,
+    ) -> None:
+        """A message of ``b`` bytes made at ``made`` on ``sender``, used until ``used`` on ``receiver``.
+
+        Lowered: held by the sender from its product (a gradient waits for its SEND in memory;
+        an output is already counted in the stage's activation, so from the SEND's post) until
+        delivery, by the receiver from its RECV's post. Compute-only: sent when made, received
+        on delivery."""
+        if self.lowered:
+            send, recv = self.posts.get(send_key), self.posts.get(recv_key)
+            if send is None or recv is None:
+                return
+            delivered = max(send[0] + self.comm, recv[0])
+            self.hold(sender, b, send if send_key[0] == C_SEND_F else made, (delivered, _LATE))
+            self.hold(receiver, b, recv, used)
+        else:
+            delivered = made[0] + self.comm
+            self.hold(sender, b, made, (delivered, _LATE))
+            self.hold(receiver, b, (delivered, -1), used)
+
+
+def record_part(cells: Cells, code: int, idx: int, eid: int, end: float) -> None:
+    """Note the end of a compute part that makes a cell's output (F) or input gradient (I, B)."""
+    if code == C_F:
+        cells.f_end[idx] = (eid, end)
+    elif code == C_I or code == C_B:
+        cells.grad_end[idx] = (eid, end)
+        cells.split[idx] = code == C_I
