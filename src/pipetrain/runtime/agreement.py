@@ -5,8 +5,8 @@ measured on each rank, different weights), the layers at the boundary run twice 
 and training goes on with a wrong model. A stage module built by :mod:`pipetrain.split` carries
 its :class:`~pipetrain.split.StageCut`: the layer names of every stage of the cut and a digest of
 each stage's parameter names, shapes and dtypes. Before the first step of a schedule each rank
-leaves its stages' cuts in the store (where :func:`pipetrain.runtime.failures.agree` left its
-schedule) and compares them with its neighbours': ranks that exchange messages must hold stages of
+leaves its stages' cuts in the store (beside what :func:`pipetrain.runtime.failures.agree` leaves
+of its schedule, in the same round) and compares them with its neighbours': ranks that exchange messages must hold stages of
 one cut of one model. Every rank reads its neighbours' and checks itself, so both sides of a
 disagreement raise, each naming the stages and ranks. Stages built otherwise (no ``StageCut``)
 are not compared. :func:`check_local` does the same for the stages of one process.
@@ -14,14 +14,15 @@ are not compared. :func:`check_local` does the same for the stages of one proces
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from pipetrain.errors import PipelineError
 from pipetrain.plan import Schedule
-from pipetrain.runtime.failures import FailureChannel, _neighbours, _wait_keys
+from pipetrain.runtime.failures import _ROUNDS, FailureChannel, _neighbours, _wait_keys
 from pipetrain.split import StageCut, stage_cut
 from pipetrain.stage import PipelineStage
 
@@ -99,6 +100,7 @@ def check_local(stages: Sequence[PipelineStage]) -> None:
         _compare((f"stage {s}'s module", s, cut), (f"stage {t}'s module", t, other))
 
 
+@contextlib.contextmanager
 def agree_stages(
     failure: FailureChannel | None,
     schedule: Schedule,
@@ -107,21 +109,29 @@ def agree_stages(
     timeout: float,
     poll: float,
     where: Callable[[], str],
-) -> None:
-    """Before the first step, after :func:`~pipetrain.runtime.failures.agree` (whose round it
-    uses): leave this rank's stage cuts in the store and check the neighbours' against them."""
+) -> Iterator[None]:
+    """Around :func:`~pipetrain.runtime.failures.agree` at a schedule's first step: on entry,
+    leave this rank's stage cuts in the store under the round ``agree`` is about to start; once
+    it agreed, check the neighbours' cuts against this rank's.
+
+    A rank leaves its cuts before its schedule key, so a neighbour whose schedule key ``agree``
+    read has left its cuts too: this adds no wait to the agreement (a rank waits only for the
+    ranks ``agree`` waits for, as before).
+    """
     peers = _neighbours(schedule, rank)
     if failure is None or not peers:
+        yield
         return
     cuts = _cuts(stages)
-    prefix = f"pipetrain/{failure.namespace}/stages/{failure.generation}/"
-    value = json.dumps({str(s): cut.to_dict() for s, cut in cuts.items()})
+    round_ = _ROUNDS.get(failure.namespace, 0) + 1  # the round agree() starts (failures._next_round)
+    prefix = f"pipetrain/{failure.namespace}/stages/{round_}/"
     try:
-        failure.store.set(f"{prefix}{rank}", value)
-        ready = failure.store.check([f"{prefix}{rank}"])
-    except Exception:  # a store without set/check (a fake backend's): nothing to compare with
-        ready = False
-    if not ready:
+        failure.store.set(f"{prefix}{rank}", json.dumps({str(s): cut.to_dict() for s, cut in cuts.items()}))
+        posted = True
+    except Exception:  # a store without set (a fake backend's): nothing to compare with
+        posted = False
+    yield
+    if not posted or failure.generation != round_:  # agree() compared nothing (a store that cannot hold keys)
         return
     _check_own(cuts, stages, f"rank {rank}")
     theirs = _wait_keys(failure, [f"{prefix}{p}" for p in peers], timeout, poll, where)

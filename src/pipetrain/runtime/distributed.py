@@ -279,9 +279,8 @@ class PipelineScheduleRuntime(StepDriver):
         first = not prepared.agreed
         if first:
             try:
-                agree(self._failure, prepared.base, self.rank, self.timeout, self.poll_interval, self._where)
                 # Stages cut from one model must come from one cut (runtime.agreement).
-                agree_stages(
+                with agree_stages(
                     self._failure,
                     prepared.base,
                     self._stage_list,
@@ -289,7 +288,8 @@ class PipelineScheduleRuntime(StepDriver):
                     self.timeout,
                     self.poll_interval,
                     self._where,
-                )
+                ):
+                    agree(self._failure, prepared.base, self.rank, self.timeout, self.poll_interval, self._where)
             except Exception as exc:
                 # Nothing was posted yet, so the group stays usable (no failure notice is sent: a
                 # peer that did not get past its agreement would take it in its next round). Peers
