@@ -15,6 +15,7 @@ from pipetrain.cli.common import (
     schedule_output,
     write_schedule,
 )
+from pipetrain.cli.pipeline_cmd import LAYERS_HELP, memory_limit_bytes, plan_layers
 from pipetrain.plan.costs import Costs
 from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.search import plan_schedule, rank_schedules
@@ -44,6 +45,7 @@ def register(subparsers: Any) -> None:
         "plain ones included",
     )
     costs.add_argument("--from-profile", metavar="FILE", help=PROFILE_HELP)
+    costs.add_argument("--layers", metavar="FILE", help=LAYERS_HELP)
     plan.add_argument("--time-limit", type=float, default=10.0, help="seconds the construction may search (default 10)")
     plan.add_argument(
         "--placement",
@@ -54,9 +56,16 @@ def register(subparsers: Any) -> None:
     )
     plan.add_argument(
         "--memory-limit",
+        default=None,
+        help="peak activations per rank, in microbatches of one rank's share (bytes if --costs sets bytes=); with "
+        "--layers, everything a rank holds, in bytes: a number (80e9) or with a unit (80GiB, 80GB)",
+    )
+    plan.add_argument(
+        "--comm",
         type=float,
         default=None,
-        help="peak activations per rank, in microbatches of one rank's share (bytes if --costs sets bytes=)",
+        help="with --layers: latency of a message between ranks, in the layers' time unit (default: the file's "
+        "meta comm, else 0)",
     )
     plan.add_argument("--top", type=int, default=10, help="how many candidates to list")
     out = plan.add_mutually_exclusive_group()
@@ -66,12 +75,29 @@ def register(subparsers: Any) -> None:
         help=f"write the chosen schedule in torch's CSV format ({OUTPUT_NAMING.format(fmt='csv')})",
     )
     out.add_argument(
-        "--json", metavar="FILE", help=f"write the chosen schedule as JSON ({OUTPUT_NAMING.format(fmt='json')})"
+        "--json",
+        metavar="FILE",
+        nargs="?",
+        const="",
+        help=f"write the chosen schedule as JSON ({OUTPUT_NAMING.format(fmt='json')}); with --layers and no FILE, "
+        "print the plan as JSON on stdout",
     )
     plan.set_defaults(func=_plan)
 
 
 def _plan(args: argparse.Namespace) -> int:
+    args.print_json = args.json == ""
+    if args.layers is not None:
+        return plan_layers(args)
+    if args.print_json:
+        raise ScheduleError("--json without a FILE prints the plan only with --layers; give --json FILE")
+    if args.comm is not None:
+        raise ScheduleError("--comm sets the latency of a --layers profile; with --costs give comm= in the costs")
+    return _plan_costs(args)
+
+
+def _plan_costs(args: argparse.Namespace) -> int:
+    args.memory_limit = memory_limit_bytes(args.memory_limit)
     for flag, value in (
         ("--ranks", args.ranks),
         ("--microbatches", args.microbatches),
