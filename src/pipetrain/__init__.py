@@ -45,6 +45,7 @@ _LAZY = {
     "Pipe": "pipetrain.tracing",
     "build_stage": "pipetrain.tracing",
     "Checkpointer": "pipetrain.checkpoint",
+    "profile_layers": "pipetrain.layer_profile",
     "PipelineError": "pipetrain.errors",
     "ScheduleError": "pipetrain.plan.errors",
 }
