@@ -22,7 +22,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -33,9 +33,12 @@ from pipetrain.recompute import is_recomputed, recompute
 if TYPE_CHECKING:
     import torch.distributed as dist
 
+_T = TypeVar("_T")
+
 __all__ = [
     "LayerStage",
     "StageCut",
+    "decide_once",
     "is_recomputed",
     "layer_times",
     "parameter_counts",
@@ -347,7 +350,7 @@ def split_layers(
                 times = layer_times(modules, sample_input, repeats=repeats, loss_fn=loss_fn, target=target)
                 return partition_balanced(times, num_stages)
 
-            sizes = _decided_once(measure, group)
+            sizes = decide_once(measure, group)
             return _mark([named[a:b] for a, b in stage_boundaries(sizes)])
         else:
             raise ValueError(f"by must be 'params', 'time' or a list of weights, got {by!r}")
@@ -359,9 +362,14 @@ def split_layers(
     return _mark([named[a:b] for a, b in stage_boundaries(sizes)])
 
 
-def _decided_once(decide: Callable[[], list[int]], group: dist.ProcessGroup | None) -> list[int]:
-    """``decide()`` on rank 0 of ``group`` and its result on every rank (just ``decide()`` without
-    an initialised ``torch.distributed``). A failure on rank 0 is raised on every rank."""
+def decide_once(decide: Callable[[], _T], group: dist.ProcessGroup | None = None) -> _T:
+    """``decide()`` run on rank 0 of ``group`` only, its result given to every rank (pickled).
+
+    For what must be the same on every rank but comes from a measurement: a time cut, a profile
+    and the plan made from it (``decide_once(lambda: plan_pipeline(profile_layers(...), ...))``).
+    Every rank of ``group`` must call it; without an initialised ``torch.distributed`` it just
+    returns ``decide()``. A failure on rank 0 is raised on every rank.
+    """
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -377,8 +385,8 @@ def _decided_once(decide: Callable[[], list[int]], group: dist.ProcessGroup | No
     dist.broadcast_object_list(box, group=group, group_src=0)
     status, value = box[0]
     if status != "ok":
-        raise RuntimeError(f"rank 0 failed to measure the layers for the cut: {value}")
-    return cast(list[int], value)
+        raise RuntimeError(f"rank 0 failed while deciding for every rank: {value}")
+    return cast(_T, value)
 
 
 @dataclass(frozen=True)
