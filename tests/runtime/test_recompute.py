@@ -245,3 +245,36 @@ def test_a_plan_with_recompute_trains_like_plain_training_on_two_ranks() -> None
     results = run_ranks(_distributed, 2, timeout=180)
     for name in ("ZBVZeroBubble", "1F1B"):
         assert sorted(results[0][name] + results[1][name]) == sorted(k for k, _ in _model().named_parameters())
+
+
+@pytest.mark.parametrize("memory_limit", [500, 300])
+def test_a_planned_run_with_recompute_trains_like_plain_training(memory_limit: int) -> None:
+    """plan_pipeline's cut, recompute and (constructed or named) schedule, run on real layers (no
+    dropout: stages draw in schedule order, plain training layer by layer)."""
+    from pipetrain.plan import LayerCost, plan_pipeline
+
+    def model() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(8)])
+
+    costs = [
+        LayerCost(str(k), f=1.0, i=1.0, w=1.0, activation_bytes=100.0, output_bytes=5.0, static_bytes=10.0)
+        for k in range(8)
+    ]
+    plan = plan_pipeline(costs, num_ranks=2, num_microbatches=4, memory_limit=memory_limit, time_limit=1)
+    assert plan.recompute  # the budget makes it recompute
+    net = model()
+    stages = split_by_names(net, plan.stage_layers, recompute=plan.recompute)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    losses: list[torch.Tensor] = []
+    torch.manual_seed(3)
+    LocalPipeline(stages, plan.schedule, loss_fn=nn.functional.mse_loss).step(x, target=y, losses=losses)
+    ref = model()
+    torch.manual_seed(3)
+    want = []
+    for xm, ym in zip(x.tensor_split(4), y.tensor_split(4), strict=True):
+        loss = nn.functional.mse_loss(ref(xm), ym)
+        (loss / 4).backward()
+        want.append(loss.detach())
+    torch.testing.assert_close([loss.detach() for loss in losses], want)
+    torch.testing.assert_close([p.grad for p in net.parameters()], [p.grad for p in ref.parameters()])
