@@ -94,8 +94,10 @@ def to_pipetrain(torch_schedule: Any, *, with_comms: bool = False, repair_1f1b: 
     order = torch_schedule.pipeline_order_with_comms if with_comms else torch_schedule.pipeline_order
     rows: dict[int, list[Action]] = {}
     for rank, program in order.items():
-        parsed = (Action.parse(str(a)) for a in program if a is not None)
-        rows[rank] = [a for a in parsed if a is not None and (with_comms or a.kind.is_compute)]
+        # compute-only: torch's own test first, so kinds pipetrain lacks (torch 2.15's
+        # WAIT_REDUCE_GRAD in single-stage orders) are left out, not parsed
+        kept = (a for a in program if a is not None and (with_comms or a.is_compute_op))
+        rows[rank] = [a for a in (Action.parse(str(a)) for a in kept) if a is not None]
     if repair_1f1b and isinstance(torch_schedule, ts.Schedule1F1B):
         _repair_1f1b_last_rank(rows, torch_schedule._n_microbatches)
     return Schedule(rows, name=f"torch {type(torch_schedule).__name__.removeprefix('Schedule')}")

@@ -169,3 +169,53 @@ def _csv_route(rank: int, world: int, directory: str) -> list[str]:
 
 def test_torchs_csv_route_runs_the_same_schedule_with_the_same_gradients(tmp_path: Path) -> None:
     assert run_ranks(_csv_route, 2, str(tmp_path)) == [["pipetrain", "pipetrain multi", "torch"]] * 2
+
+
+def _fsdp_with_torch_215_keywords(rank: int, world: int) -> list[str]:
+    """2 pipeline × 2 FSDP ranks, ZB-V: ``max_active_stages=1`` plans what the lowering's
+    ``max_unsharded=1`` plans, and two steps, the first with ``finalize_gradients=False``, leave
+    the gradients of plain data parallelism accumulated over both batches (torch 2.15's meaning)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from pipetrain import PipelineStage, ScheduleZBVZeroBubble
+    from support.models import make_batch, mlp_layers
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp_group, dp_mesh = mesh["pp"].get_group(), mesh["dp"]
+    pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    m, num_stages = 2, 4
+    layers = mlp_layers(num_stages)
+    ref = nn.Sequential(*copy.deepcopy(layers))
+    batches = [[make_batch("mlp", 4 * m, seed=10 * step + r) for r in range(2)] for step in range(2)]
+    for shards in batches:  # two steps of plain data parallelism, gradients accumulated
+        total = [
+            nn.functional.mse_loss(ref(xi), yi)
+            for x, y in shards
+            for xi, yi in zip(x.tensor_split(m), y.tensor_split(m), strict=True)
+        ]
+        torch.stack(total).mean().backward()
+    mine = [pp_rank, num_stages - 1 - pp_rank]
+    for s in mine:
+        fully_shard(layers[s], mesh=dp_mesh)
+    stages = [PipelineStage(layers[s], s, num_stages, "cpu", group=pp_group) for s in sorted(mine)]
+    sched = ScheduleZBVZeroBubble(stages, m, loss_fn=nn.functional.mse_loss, max_active_stages=1)
+    same = ScheduleZBVZeroBubble(
+        stages, m, loss_fn=nn.functional.mse_loss, lower_options={"fsdp": True, "grad_reduce": True, "max_unsharded": 1}
+    )
+    program = [str(a) for a in sched.schedule.actions[pp_rank] if a is not None]
+    assert program == [str(a) for a in same.schedule.actions[pp_rank] if a is not None]
+    assert sum("UNSHARD" in a for a in program) > len(mine), program  # one stage gathered at a time
+    for step, shards in enumerate(batches):
+        x, y = shards[dp_rank]
+        sched.step(*((x,) if 0 in mine else ()), target=y if 3 in mine else None, finalize_gradients=step == 1)
+    for s in mine:
+        for (name, p), q in zip(layers[s].named_parameters(), list(ref)[s].parameters(), strict=True):
+            grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            torch.testing.assert_close(grad, q.grad, msg=lambda e, s=s, n=name: f"stage {s} {n}: {e}")
+    return ["fsdp"]
+
+
+def test_torch_215_fsdp_keywords_mean_what_they_mean_in_torch() -> None:
+    assert run_ranks(_fsdp_with_torch_215_keywords, 4, timeout=240) == [["fsdp"]] * 4
