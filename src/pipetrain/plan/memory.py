@@ -9,7 +9,8 @@ scores with it). Per rank:
   its W ends (what W reads: its layers' inputs and output gradients);
 - *message buffers* (with ``Costs.message_bytes``): a stage's output crossing to another rank is
   a buffer on the sender from the SEND's post (compute-only: the F's end) until the message is
-  delivered, and on the receiver from the RECV's post (compute-only: delivery) until the
+  surely delivered (lowered: the sender used a later message of its receiver's; compute-only:
+  delivery), and on the receiver from the RECV's post (compute-only: delivery) until the
   receiving stage's last backward of it ends (its input is kept for backward); a gradient
   likewise from the I/B that makes it until delivery, and from its RECV until the I/B that uses
   it ends; between stages of one rank a gradient is held from the I/B that makes it until the
@@ -34,7 +35,8 @@ __all__ = ["Cells", "Peaks", "peak_memory", "record_part"]
 _BYTE_COSTS = ("activation_bytes", "weight_grad_bytes", "message_bytes", "static_bytes", "transient_bytes")
 _LATE = 1 << 62  # event order of a delivery: after everything a rank starts at the same time
 Event = tuple[int, Action, float, float, int]  # (rank, action, start, end, predecessor)
-Change = tuple[float, int, int, int, float]  # (time, event, 0 alloc | 1 free, count delta, bytes delta)
+Change = tuple[float, float, int, int, float]  # (time, event order, 0 alloc | 1 free, count delta, bytes delta)
+Key = tuple[int, int, int]  # a message's SEND or RECV: (kind code, stage, microbatch)
 
 
 @dataclass
@@ -59,6 +61,7 @@ class Cells:
     f_end: list[tuple[int, float] | None]
     grad_end: list[tuple[int, float] | None]
     split: list[bool]  # the input gradient came from an I (a W follows)
+    grad_start: list[tuple[int, float] | None]
 
 
 def peak_memory(
@@ -68,9 +71,11 @@ def peak_memory(
     cells: Cells,
     costs: Costs,
     events: list[Event] | None,
+    outputs_until: float | None = None,
 ) -> Peaks:
     """Peaks by a sweep over each rank's allocations and frees (``events``: the simulation's, for
-    message buffers; None skips them).
+    message buffers; None skips them). ``outputs_until``: the step's end, where the last stage
+    kept every microbatch's output (``return_outputs``) and merges them into one more copy.
 
     Changes at one time sort by the event that makes them (the rank's program order), then an
     action's allocation before its own free: with positive durations that is "frees first", and
@@ -100,6 +105,8 @@ def peak_memory(
     in_bytes = any(getattr(costs, name) is not None for name in _BYTE_COSTS)
     if costs.message_bytes is not None and events is not None:
         _message_buffers(per_rank, rank_of, n_mb, cells, costs.per_stage("message_bytes", n_st), costs.comm, events)
+    if outputs_until is not None and costs.message_bytes is not None:
+        _kept_outputs(per_rank[rank_of[-1]], cells, n_mb, costs.per_stage("message_bytes", n_st)[-1], outputs_until)
     peaks = Peaks({}, {}, {} if in_bytes else None, {} if in_bytes else None)
     static = _per_rank_sum(costs, "static_bytes", rank_of, n_rk)
     transient = _per_rank_max(costs, "transient_bytes", rank_of, n_rk, cells, n_mb)
@@ -119,6 +126,16 @@ def peak_memory(
             peaks.bytes[r] = static[r] + best_b + transient[r]
             peaks.bytes_time[r] = at_b
     return peaks
+
+
+def _kept_outputs(changes: list[Change], cells: Cells, n_mb: int, size: float, end: float) -> None:
+    """The last stage's outputs, each from its F's end, and their merged copy at the step's end."""
+    last = len(cells.f_end) - n_mb
+    made = [cells.f_end[last + m] for m in range(n_mb)]
+    for f in made:
+        if f is not None:
+            changes.append((f[1], f[0], 0, 0, size))
+    changes.append((end, _LATE, 0, 0, size * sum(f is not None for f in made)))
 
 
 def _per_rank_sum(costs: Costs, name: str, rank_of: list[int], n_rk: int) -> list[float]:
@@ -150,12 +167,12 @@ def _message_buffers(
     events: list[Event],
 ) -> None:
     """Add each message's buffers (see the module docs) to ``per_rank``."""
-    posts: dict[tuple[int, int, int], tuple[float, int]] = {}  # (code, stage, mb) -> (post time, event)
+    posts: dict[Key, tuple[float, float]] = {}  # (code, stage, mb) -> (post time, event)
     for eid, (_, action, start, _, _) in enumerate(events):
         code = CODE[action.kind]
         if C_SEND_F <= code <= C_RECV_B and action.microbatch is not None:
             posts[(code, action.stage, action.microbatch)] = (start, eid)
-    buffers = _Buffers(per_rank, posts, comm)
+    buffers = _Buffers(per_rank, posts, comm, _sure_delivered(events, rank_of, cells, n_mb) if posts else {})
     for s in range(len(rank_of) - 1):
         r0, r1, b = rank_of[s], rank_of[s + 1], size[s]
         if b == 0:
@@ -178,16 +195,61 @@ def _message_buffers(
                 buffers.message((C_SEND_B, s + 1, m), (C_RECV_B, s, m), r1, r0, b, (g_up[1], g_up[0]), end_here)
 
 
+def _sure_delivered(events: list[Event], rank_of: list[int], cells: Cells, n_mb: int) -> dict[Key, tuple[float, float]]:
+    """For each SEND of a lowered schedule, when its rank is sure it was delivered, whatever the timing.
+
+    A send completes once its receiver posted the RECV. Its sender knows that for certain when it
+    takes a message its receiver sent after posting that RECV: at the start of the compute that
+    uses that message. A send never so confirmed counts until the step's end (the runtime waits
+    for it there). The runtime frees a sent buffer as soon as its send completes, which is never
+    later: so the count holds however much faster or slower each rank runs than the costs say.
+    """
+    end = max((e[3] for e in events), default=0.0)
+    sure: dict[Key, tuple[float, float]] = {}
+    awaiting: dict[tuple[int, int], list[Key]] = {}  # (receiver, sender) -> RECVs not yet answered
+    for rank, action, _, _, _ in events:  # (each rank's events are in its program order)
+        code, s, m = CODE[action.kind], action.stage, action.microbatch
+        if m is None or not C_SEND_F <= code <= C_RECV_B:
+            continue
+        if code == C_RECV_F or code == C_RECV_B:
+            sender = rank_of[s - 1] if code == C_RECV_F else rank_of[s + 1]
+            send_code, send_stage = (C_SEND_F, s - 1) if code == C_RECV_F else (C_SEND_B, s + 1)
+            awaiting.setdefault((rank, sender), []).append((send_code, send_stage, m))
+            continue
+        peer = rank_of[s + 1] if code == C_SEND_F else rank_of[s - 1]
+        answered = awaiting.pop((rank, peer), [])
+        if not answered:
+            continue
+        # The peer uses this message in F(s+1, m) or in I/B(s-1, m): sure from that compute's start.
+        if code == C_SEND_F:
+            idx = (s + 1) * n_mb + m
+            use: tuple[float, float] | None = (cells.alloc_at[idx], cells.alloc_ev[idx] - 0.5)
+        else:
+            g = cells.grad_start[(s - 1) * n_mb + m]
+            use = None if g is None else (g[1], g[0] - 0.5)
+        for key in answered:
+            sure[key] = use if use is not None else (end, _LATE)
+    return sure
+
+
 class _Buffers:
     """The changes of message buffers: held from a start (time, event) until an end (or forever)."""
 
-    def __init__(self, per_rank: list[list[Change]], posts: dict[tuple[int, int, int], tuple[float, int]], comm: float):
+    def __init__(
+        self,
+        per_rank: list[list[Change]],
+        posts: dict[Key, tuple[float, float]],
+        comm: float,
+        sure: dict[Key, tuple[float, float]],
+    ) -> None:
         self.per_rank = per_rank
         self.posts = posts
         self.lowered = bool(posts)
         self.comm = comm
+        self.sure = sure
+        self.end = max((t for t, _ in posts.values()), default=0.0)
 
-    def hold(self, r: int, b: float, start: tuple[float, int], end: tuple[float, int] | None) -> None:
+    def hold(self, r: int, b: float, start: tuple[float, float], end: tuple[float, float] | None) -> None:
         self.per_rank[r].append((start[0], start[1], 0, 0, b))
         if end is not None:
             self.per_rank[r].append((end[0], end[1], 1, 0, -b))
@@ -199,32 +261,34 @@ class _Buffers:
         sender: int,
         receiver: int,
         b: float,
-        made: tuple[float, int],
-        used: tuple[float, int] | None,
+        made: tuple[float, float],
+        used: tuple[float, float] | None,
     ) -> None:
         """A message of ``b`` bytes made at ``made`` on ``sender``, used until ``used`` on ``receiver``.
 
         Lowered: held by the sender from its product (a gradient waits for its SEND in memory;
         an output is already counted in the stage's activation, so from the SEND's post) until
-        delivery, by the receiver from its RECV's post. Compute-only: sent when made, received
-        on delivery."""
+        it is sure to be delivered (:func:`_sure_delivered`), by the receiver from its RECV's post.
+        Compute-only: sent when made, received on delivery."""
         if self.lowered:
             send, recv = self.posts.get(send_key), self.posts.get(recv_key)
             if send is None or recv is None:
                 return
-            delivered = max(send[0] + self.comm, recv[0])
-            self.hold(sender, b, send if send_key[0] == C_SEND_F else made, (delivered, _LATE))
+            delivered = (max(send[0] + self.comm, recv[0]), float(_LATE))
+            sure = self.sure.get(send_key, delivered)
+            self.hold(sender, b, send if send_key[0] == C_SEND_F else made, max(sure, delivered))
             self.hold(receiver, b, recv, used)
         else:
-            delivered = made[0] + self.comm
-            self.hold(sender, b, made, (delivered, _LATE))
-            self.hold(receiver, b, (delivered, -1), used)
+            arrives = made[0] + self.comm
+            self.hold(sender, b, made, (arrives, float(_LATE)))
+            self.hold(receiver, b, (arrives, -1.0), used)
 
 
-def record_part(cells: Cells, code: int, idx: int, eid: int, end: float) -> None:
-    """Note the end of a compute part that makes a cell's output (F) or input gradient (I, B)."""
+def record_part(cells: Cells, code: int, idx: int, eid: int, start: float, end: float) -> None:
+    """Note a compute part that makes a cell's output (F) or input gradient (I, B)."""
     if code == C_F:
         cells.f_end[idx] = (eid, end)
     elif code == C_I or code == C_B:
+        cells.grad_start[idx] = (eid, start)
         cells.grad_end[idx] = (eid, end)
         cells.split[idx] = code == C_I

@@ -237,7 +237,9 @@ def _overlap_op(
     return tuple(needs), tuple(makes), duration, shares
 
 
-def simulate(schedule: Schedule, costs: Costs | None = None, *, check: bool = True) -> SimResult:
+def simulate(
+    schedule: Schedule, costs: Costs | None = None, *, check: bool = True, keep_outputs: bool = False
+) -> SimResult:
     """Simulate ``schedule`` under ``costs`` (default: F=1, I=W=1, B=2, comm 0); see the module docs.
 
     ``check`` first applies :func:`~pipetrain.plan.validate.validate`'s rules, so a broken
@@ -247,7 +249,9 @@ def simulate(schedule: Schedule, costs: Costs | None = None, *, check: bool = Tr
     which is the simulation's (each message's SEND and RECV once, in matching order, REDUCE_GRAD
     once per stage after its last backward, ...). ``check=False`` skips them (about 15 % of the
     time for a compute schedule) for schedules known to be well formed, such as the generators'
-    output.
+    output. ``keep_outputs``: the last stage keeps each microbatch's output until the step ends
+    and merges them there (the runtime's ``step(..., return_outputs=True)``); with
+    ``Costs.message_bytes`` the memory counts them.
     """
     with gc_paused():  # many small acyclic objects: the cyclic collector only costs time here
         if check:
@@ -255,10 +259,10 @@ def simulate(schedule: Schedule, costs: Costs | None = None, *, check: bool = Tr
                 validate(schedule, matching="gloo")  # (its scan checks the structure too)
             else:
                 check_structure(schedule)
-        return _simulate(schedule, costs)
+        return _simulate(schedule, costs, keep_outputs)
 
 
-def _simulate(schedule: Schedule, costs: Costs | None) -> SimResult:
+def _simulate(schedule: Schedule, costs: Costs | None, keep_outputs: bool = False) -> SimResult:
     costs = Costs() if costs is None else costs.for_schedule(schedule)  # (a rank's share: cut per stage)
     n_st, n_mb, n_rk = schedule.num_stages, schedule.num_microbatches, schedule.num_ranks
     n_cells = n_st * n_mb
@@ -294,7 +298,7 @@ def _simulate(schedule: Schedule, costs: Costs | None) -> SimResult:
     def account(code: int, idx: int, d: float, start: float, end: float, eid: int) -> None:
         """Record a compute part's duration and its activation's alloc/free times (and event)."""
         part_dur[code][idx] = d
-        record_part(cells, code, idx, eid, end)
+        record_part(cells, code, idx, eid, start, end)
         if code == C_F:
             alloc_at[idx] = start
             alloc_ev[idx] = eid
@@ -324,6 +328,7 @@ def _simulate(schedule: Schedule, costs: Costs | None) -> SimResult:
         [None] * n_cells,
         [None] * n_cells,
         [False] * n_cells,
+        [None] * n_cells,
     )
     alloc_at, alloc_ev, free_at, free_ev = cells.alloc_at, cells.alloc_ev, cells.free_at, cells.free_ev
     waiting_on: dict[int, int] = {}
@@ -410,7 +415,7 @@ def _simulate(schedule: Schedule, costs: Costs | None) -> SimResult:
 
     makespan = max(max(clock, default=0.0), last_delivery)  # a step ends when every message is delivered
 
-    peaks = peak_memory(rank_of, n_mb, n_rk, cells, costs, events)
+    peaks = peak_memory(rank_of, n_mb, n_rk, cells, costs, events, makespan if keep_outputs else None)
     return SimResult(
         schedule_name=schedule.name,
         num_ranks=n_rk,

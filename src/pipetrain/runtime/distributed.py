@@ -26,6 +26,7 @@ from pipetrain.runtime.failures import (
     refuse,
 )
 from pipetrain.runtime.prepare import Prepared, prepare_for, read_torch_csv, recv_window
+from pipetrain.runtime.sharing import rank0_order
 from pipetrain.runtime.transport.completion import Waiter
 from pipetrain.runtime.transport.p2p import DistTransport
 from pipetrain.runtime.transport.wire import RecvHandle, RecvItem, SendItem
@@ -35,7 +36,7 @@ __all__ = ["PipelineScheduleRuntime"]
 
 
 class _DistComm:
-    blocking = True  # take() waits; ready() is always true and poll() has nothing to do mid-step
+    blocking = True  # take() waits; ready() is always true; poll() releases the sends completed
 
     def __init__(self, transport: DistTransport) -> None:
         self.transport = transport
@@ -50,7 +51,9 @@ class _DistComm:
         return self.transport.wait(handle)
 
     def poll(self) -> None:
-        self.transport.waiter.run_callbacks()
+        waiter = self.transport.waiter
+        waiter.release_sent()
+        waiter.run_callbacks()
 
 
 class PipelineScheduleRuntime(StepDriver):
@@ -136,6 +139,7 @@ class PipelineScheduleRuntime(StepDriver):
                 self._transport.poison(self._executor.unsent())
             raise
         self.n_microbatches = self.schedule.num_microbatches
+        self._order_settled = False  # whether the ranks settled on one order (see _settle_order)
         # (events, their device marks, the clock that reads them, step index, schedule)
         self._last: tuple[list[tuple[Action, int, int]], list[Any], DeviceClock | None, int, Schedule] | None = None
         self.device_timing = False
@@ -267,6 +271,25 @@ class PipelineScheduleRuntime(StepDriver):
     # -------------------------------------------------------------- running
     def _where(self) -> str:
         return self._executor.where() if hasattr(self, "_executor") else f"rank {self.rank}"
+
+    def _settle_order(self, prepared: Prepared) -> Prepared:
+        """Before the first step, run rank 0's order where this rank planned another order of the
+        same actions (runtime.sharing: timed searches run on every rank may differ)."""
+        if self._order_settled:
+            return prepared
+        self._order_settled = True
+        if prepared.agreed or DEAD_GROUPS.get(self._group_obj) is not None:
+            return prepared
+        try:
+            theirs = rank0_order(self._failure, self._planned, self.rank, self.timeout, self.poll_interval, self._where)
+        except Exception as exc:
+            self._report(str(exc))
+            raise
+        if theirs is None:
+            return prepared
+        forward = prepared is not self._prepared
+        self._use_schedule(theirs, "rank 0's schedule")
+        return self._forward_prepared() if forward else self._prepared
 
     @contextlib.contextmanager
     def _guard(self, prepared: Prepared, step_index: int) -> Iterator[None]:

@@ -110,6 +110,10 @@ class StepDriver:
     def _guard(self, prepared: Prepared, step_index: int) -> Iterator[None]:
         yield
 
+    def _settle_order(self, prepared: Prepared) -> Prepared:
+        """The schedule to run, once the ranks settled on one order (runtime.sharing); ``prepared`` here."""
+        return prepared
+
     # ------------------------------------------------------------ the schedule
     @property
     def schedule(self) -> Schedule:
@@ -236,6 +240,7 @@ class StepDriver:
         loss_kwargs: dict[str, Any] | None,
         extra: tuple[Any, Any],
     ) -> Any:
+        prepared = self._settle_order(prepared)
         step_index = self._step_count
         self._step_count += 1
         with self._guard(prepared, step_index):

@@ -122,6 +122,7 @@ class RankExecutor:
         self.clock: DeviceClock | None = None
         self.timed: list[tuple[int, Any, Any]] = []
         self.data = StepData(-1, False)
+        self.observe: Callable[[], None] | None = None  # called after every action (pipetrain.memory)
         self._reset()
 
     def _reset(self) -> None:
@@ -173,6 +174,8 @@ class RankExecutor:
                     self._post(step.actions)
                 t1 = clock()
                 events.extend((a, t0, t1) for a in step.actions)
+                if self.observe is not None:
+                    self.observe()
                 continue
             action = self.action
             if not blocking:
@@ -180,6 +183,9 @@ class RankExecutor:
                 yield from self._wait_inputs(action)
             else:
                 self._receive_inputs(action)  # waits end before the compute's clock starts
+                # Sends completed by now free their buffers before this action allocates: a step
+                # holds a sent message until it is delivered, as the memory model counts it.
+                self.comm.poll()
             t0 = clock()
             # (UNSHARD, RESHARD and REDUCE_GRAD keep host times)
             mark = on_device.mark() if on_device is not None and action.kind.is_compute else None
@@ -193,6 +199,8 @@ class RankExecutor:
             if mark is not None and on_device is not None:
                 self.timed.append((len(events), mark, on_device.mark()))
             events.append((action, t0, clock()))
+            if self.observe is not None:
+                self.observe()
         self.action = None
         self.pos = len(program.steps)
         if train and 0 in self.stages:

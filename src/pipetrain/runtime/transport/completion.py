@@ -34,6 +34,24 @@ def _describe(what: Any) -> str:
     return str(what)
 
 
+class _OnDevice:
+    """A send's buffers with its operations on the device: dropped once those completed."""
+
+    __slots__ = ("keep", "works")
+
+    def __init__(self, keep: Any, works: list[Any]) -> None:
+        self.keep = keep
+        self.works = works
+
+
+def _completed(work: Any) -> bool:
+    """Whether ``work`` is done, without waiting (a joint work: all of its parts)."""
+    parts = getattr(work, "works", None)
+    if parts is not None:
+        return all(_completed(w) for w in parts)
+    return bool(work.is_completed())
+
+
 class _Job:
     __slots__ = ("done", "error", "keep", "limit", "on_done", "what", "works")
 
@@ -61,19 +79,26 @@ def _serve(jobs: queue.SimpleQueue[_Job | None], finished: deque[_Job] | None) -
         job = jobs.get()
         if job is None:
             return
-        limit = job.limit
-        try:
-            for work in job.works:
-                if limit is None:
-                    work.wait()
-                else:
-                    work.wait(limit)
-        except BaseException as err:  # reported by the thread that waits on job.done
-            job.error = err
-        job.keep = None
-        if finished is not None and limit is None:
+        _wait_job(job)
+        if finished is not None and job.limit is None:
             finished.append(job)
         job.done.set()
+        del job  # the next get() may wait long: hold no operation (nor the tensors it refers to) meanwhile
+
+
+def _wait_job(job: _Job) -> None:
+    """Wait for ``job``'s operations, then drop them and its buffers (a gloo operation holds its tensors)."""
+    limit = job.limit
+    try:
+        for work in job.works:
+            if limit is None:
+                work.wait()
+            else:
+                work.wait(limit)
+    except BaseException as err:  # reported by the thread that waits on job.done
+        job.error = err
+    job.keep = None
+    job.works = []
 
 
 class Waiter:
@@ -183,9 +208,29 @@ class Waiter:
         ``device_works`` complete on the stream (:meth:`wait_stream`); ``keep`` (the sent buffers)
         is held until then, so their memory is not reused before the send read it.
         """
+        if works and not self.watch:
+            # The helper thread waits for the host operations as they go and then drops their
+            # buffers: a step holds a sent message until it is delivered, not until the step
+            # ends (the memory model counts it so, :mod:`pipetrain.plan.memory`). A failure it
+            # finds is raised at the next action (run_callbacks) or at drain. (While it watches
+            # receives, a first step's, a send it waits on could keep it from a receive: those
+            # steps hold their sends until drain.)
+            # Its waits are its own (gloo completes a send for one wait): drain waits behind them.
+            self._bg.put(_Job(works, _describe(what), keep))
+            works, keep = [], None
         if device_works:
             self._device.extend(device_works)
-        self._outstanding.append((works, what, keep, on_done))
+            self._outstanding.append((works, what, _OnDevice(keep, device_works), on_done))
+        else:
+            self._outstanding.append((works, what, keep, on_done))
+
+    def release_sent(self) -> None:
+        """Drop the buffers of sends whose device operations completed (a non-blocking check):
+        host operations are waited for by the helper thread, which drops theirs itself."""
+        for job in self._outstanding:
+            keep = job[2]
+            if isinstance(keep, _OnDevice) and keep.keep is not None and all(_completed(w) for w in keep.works):
+                keep.keep = None
 
     def run_callbacks(self) -> None:
         while self._finished:

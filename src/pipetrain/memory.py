@@ -1,0 +1,199 @@
+"""What a step really holds: each rank's measured peak memory, beside the plan's promise.
+
+The planner promises memory (:func:`pipetrain.plan.simulate`'s ``peak_memory_bytes``, whose
+model :mod:`pipetrain.plan.memory` states); this module measures it on a real rank so the two
+can be put side by side:
+
+- on a GPU, ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``: exact;
+- on the CPU, the bytes glibc's allocator has handed out (``mallinfo2``: every thread and arena,
+  mmapped blocks included), read after every action of the step and by a sampling thread in
+  between. Readings are points, so a peak inside an action can be missed: the measure is a
+  lower bound of the true peak, tight at action boundaries, where the model's peaks lie.
+
+``measure_step(schedule, *args, **kwargs)`` runs one ``step`` and returns its output with the
+peak bytes above those allocated when it began; :func:`stage_bytes` measures the per-stage byte
+costs (activations, what a split backward keeps for W, the output message) that
+:class:`~pipetrain.plan.Costs` takes, the same way.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pipetrain.errors import PipelineError
+
+__all__ = ["MemoryMeter", "StepMemory", "allocated_bytes", "measure_step", "stage_bytes"]
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks")
+    ] + [("keepcost", ctypes.c_size_t)]
+
+
+def _load_mallinfo() -> Callable[[], _MallInfo2] | None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        fn = libc.mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _MallInfo2
+    return fn
+
+
+_MALLINFO = _load_mallinfo()
+
+
+def allocated_bytes(device: torch.device | str = "cpu") -> int:
+    """Bytes allocated now: by torch's caching allocator on a GPU, by glibc's ``malloc`` (every
+    thread) on the CPU. Raises where the CPU has no ``mallinfo2`` (not glibc ≥ 2.33)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    if _MALLINFO is None:
+        raise PipelineError("measuring CPU memory needs glibc's mallinfo2 (glibc 2.33 or later), not found here")
+    info = _MALLINFO()
+    return int(info.uordblks + info.hblkhd)
+
+
+class MemoryMeter:
+    """Peak bytes allocated while it is entered, above those allocated when it was entered.
+
+    ``observe()`` takes a reading (the runtimes call it after every action while a meter is
+    attached with :meth:`attached`); on the CPU a thread also reads every ``interval`` seconds.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu", interval: float = 0.0005) -> None:
+        self.device = torch.device(device)
+        self.interval = interval
+        self.start_bytes = 0
+        self.peak_bytes = 0  # above start_bytes
+        self._high = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def observe(self) -> None:
+        if self.device.type != "cuda":
+            now = allocated_bytes(self.device)
+            if now > self._high:
+                self._high = now
+
+    def __enter__(self) -> MemoryMeter:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.start_bytes = self._high = allocated_bytes(self.device)
+            return self
+        self.start_bytes = self._high = allocated_bytes(self.device)
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._sample, daemon=True, name="pipetrain-memory")
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.observe()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self._high = int(torch.cuda.max_memory_allocated(self.device))
+        else:
+            self._stop.set()
+            if self._thread is not None:
+                self._thread.join()
+            self.observe()
+        self.peak_bytes = max(0, self._high - self.start_bytes)
+
+    @contextmanager
+    def attached(self, schedule: Any) -> Iterator[MemoryMeter]:
+        """Enter the meter with ``schedule``'s executors reading it after every action."""
+        executors = _executors(schedule)
+        for executor in executors:
+            executor.observe = self.observe
+        try:
+            with self:
+                yield self
+        finally:
+            for executor in executors:
+                executor.observe = None
+
+
+def _executors(schedule: Any) -> list[Any]:
+    """The executors of a distributed schedule (its one) or of a LocalPipeline (every rank's)."""
+    one = getattr(schedule, "_executor", None)
+    return [one] if one is not None else list(getattr(schedule, "_executors", []))
+
+
+@dataclass
+class StepMemory:
+    """One measured step: its output and its peak bytes above those allocated when it began."""
+
+    output: Any
+    peak_bytes: int
+    start_bytes: int
+
+
+def measure_step(schedule: Any, *args: Any, device: torch.device | str | None = None, **kwargs: Any) -> StepMemory:
+    """Run ``schedule.step(*args, **kwargs)`` and measure this rank's peak memory over it.
+
+    ``device`` defaults to the device of the schedule's first stage. Compare ``peak_bytes`` with
+    ``simulate(schedule.schedule, costs).peak_memory_bytes[rank]`` for costs with byte sizes
+    (static bytes left out: they were allocated before the step began).
+    """
+    if device is None:
+        stages = getattr(schedule, "_stage_list", None) or list(getattr(schedule, "stages", {}).values())
+        device = stages[0].device if stages else "cpu"
+    meter = MemoryMeter(device)
+    with meter.attached(schedule):
+        output = schedule.step(*args, **kwargs)
+    return StepMemory(output, meter.peak_bytes, meter.start_bytes)
+
+
+def stage_bytes(
+    module: torch.nn.Module,
+    example: torch.Tensor,
+    *,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    target: Any = None,
+    device: torch.device | str = "cpu",
+) -> dict[str, int]:
+    """Bytes one microbatch of ``example`` makes a stage running ``module`` hold, measured by the
+    allocator: ``activation_bytes`` (what its forward leaves allocated, its output included; with
+    ``loss_fn`` the stage is a last stage and what the loss keeps counts too), ``weight_grad_bytes``
+    (what stays from the forward's start once its input-gradient backward ran, until W: W's
+    inputs and output gradients) and ``message_bytes`` (its output). The keys are
+    :class:`~pipetrain.plan.Costs`' fields. The module's gradients are restored."""
+    from pipetrain.stage import PipelineStage
+
+    device = torch.device(device)
+    stage = PipelineStage(module, 2 if loss_fn is not None else 1, 3, device)
+    grads = {p: p.grad for p in module.parameters()}
+    x = example.detach().to(device).requires_grad_()
+    with torch.enable_grad():
+        before = allocated_bytes(device)
+        out = stage.forward_one_chunk(0, (x,), {})
+        if not isinstance(out, torch.Tensor):
+            raise PipelineError("stage_bytes measures a module whose output is one tensor")
+        loss = loss_fn(out, target) if loss_fn is not None else None
+        activation = allocated_bytes(device) - before
+        message = out.untyped_storage().nbytes()
+        if loss is not None:
+            result = stage.backward_one_chunk(0, loss=loss, full=False)
+        else:
+            result = stage.backward_one_chunk(0, grad_outputs=[torch.ones_like(out)], full=False)
+        del result, out, loss
+        weight_grad = allocated_bytes(device) - before
+        stage.backward_weight_one_chunk(0)
+    for p, g in grads.items():
+        p.grad = g
+    return {"activation_bytes": activation, "weight_grad_bytes": weight_grad, "message_bytes": message}
