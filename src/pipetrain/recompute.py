@@ -221,13 +221,13 @@ class _Recomputed(nn.Module):
         run = super().forward
         if not torch.is_grad_enabled():
             return run(*args, **kwargs)
-        params = [p for p in self.parameters()]
+        first = next(self.parameters(), None)
         region = _Region(
             f"recomputed {type(self).__mro__[2].__name__}",  # the module's own class (after this mixin)
             run,
             args,
             kwargs,
-            params,
+            [] if first is None else [first],
             self._pipetrain_recompute_keep,
         )
         with torch.autograd.graph.saved_tensors_hooks(region.pack, _unpack):

@@ -431,13 +431,23 @@ def _mark(parts: Sequence[Sequence[tuple[str, nn.Module]]]) -> list[nn.Module]:
     return stages
 
 
+_WRAPPED = ("module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+"""Where wrappers keep the module they wrap: DDP, torch.compile, checkpoint_wrapper, FSDP1."""
+
+
 def stage_cut(module: nn.Module) -> StageCut | None:
-    """The :class:`StageCut` of a stage module built by this module (looked for inside wrappers
-    such as DDP or ``torch.compile``), or None for a module built otherwise."""
-    for m in module.modules():
-        cut = m.__dict__.get("_pipetrain_cut")
+    """The :class:`StageCut` of a stage module built by this module, also through a wrapper that
+    holds it (DDP, ``torch.compile``, ``checkpoint_wrapper``); None for a module built otherwise
+    (a container of several such stages, say: it is not one stage of their cut)."""
+    seen = 0
+    while module is not None and seen < 8:
+        cut = module.__dict__.get("_pipetrain_cut")
         if isinstance(cut, StageCut):
             return cut
+        inner = next((module._modules.get(name) for name in _WRAPPED if module._modules.get(name) is not None), None)
+        if inner is None:
+            return None
+        module, seen = inner, seen + 1
     return None
 
 

@@ -97,3 +97,28 @@ def test_local_pipeline_refuses_stages_of_two_cuts() -> None:
     layered = split_layers(model, 2, by=[1, 1, 5, 1, 1])
     assert [list(s._modules) for s in named] == [list(s._modules) for s in layered]
     LocalPipeline([named[0], layered[1]], "GPipe", n_microbatches=2, loss_fn=nn.functional.mse_loss)
+
+
+class _Wrapper(nn.Module):
+    """Holds its module as ``.module``, as DDP does."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.module(x)
+        return out
+
+
+def test_a_wrapped_stage_is_checked_and_a_container_of_stages_is_not() -> None:
+    from pipetrain.split import stage_cut
+
+    parts = split_sequential(_model(), 4, by=[1, 1, 1, 1, 1])
+    assert stage_cut(_Wrapper(parts[1])) is stage_cut(parts[1])
+    with pytest.raises(PipelineError, match="stage 0 was given the module of stage 1"):
+        LocalPipeline([_Wrapper(parts[1]), parts[0]], "GPipe", n_microbatches=2)
+    # Two stages of a 4-stage cut run as one stage of 2: not a stage of that cut, so not compared.
+    merged = [nn.Sequential(parts[0], parts[1]), nn.Sequential(parts[2], parts[3])]
+    assert stage_cut(merged[0]) is None
+    LocalPipeline(merged, "GPipe", n_microbatches=2, loss_fn=nn.functional.mse_loss)
