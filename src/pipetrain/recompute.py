@@ -4,10 +4,12 @@
 save inside it is rebuilt by running its forward again when a backward first needs it. It is how a
 stage that a plan marks ``recompute`` runs (:func:`pipetrain.split.split_by_names`).
 
-Why not ``torch.utils.checkpoint``: its rebuilt tensors live per autograd *graph task*, and
-pipetrain's split backward runs a microbatch's backward as several tasks (I, then one per group of
-weights in W). Under it, what I rebuilt but did not use stays until W, and W rebuilds once per
-weight group. Here the rebuilt tensors belong to the microbatch:
+Why not ``torch.utils.checkpoint`` (non-reentrant): its rebuilt tensors live per autograd *graph
+task*, and pipetrain's split backward runs a microbatch's backward as several tasks (I, then one
+per group of weights in W). Under it, what I rebuilt but did not use stays until W, and W rebuilds
+once per weight group (four Linear layers: six forwards in all). Worse, the inputs it saves go
+through the stage's saved-tensor tracking, which releases them after I when I read them outside
+an entry node, so W fails ("already released"). Here the rebuilt tensors belong to the microbatch:
 
 * ``weight_grads="recompute"`` (the default): the first backward pass (B, or I) rebuilds the
   activations once, frees each as it is used and the rest when the pass ends; W rebuilds them once
