@@ -185,9 +185,10 @@ def test_problems_found_before_training_not_after(capsys: pytest.CaptureFixture[
     broken.write_text("0F0,0F1,0B0\n1F0,1B0,1F1,1B1\n")
     assert main(["train", "--schedule", str(broken), "--steps", "1"]) == 1
     assert f"{broken}: rank 0, step 1, action 0F1: has no backward" in capsys.readouterr().err
-    # --schedule auto with one step used to train the profiled schedule without a word
-    assert main(["train", "--schedule", "auto", "--steps", "1"]) == 1
-    assert "--schedule auto needs --steps 2 at least" in capsys.readouterr().err
+    # a layers file that cannot be written used to fail after the steps (and only .json/.csv read back)
+    for bad in (tmp_path, tmp_path / "missing" / "layers.json"):
+        assert main(["profile", "--layers-out", str(bad), "--steps", "2"]) == 1
+        assert f"--layers-out {bad}: give a file in an existing directory" in capsys.readouterr().err
     # a costs file that cannot be written used to fail after the measured steps
     for bad in (tmp_path, tmp_path / "missing" / "costs.txt"):
         assert main(["profile", "--costs-out", str(bad), "--steps", "2"]) == 1

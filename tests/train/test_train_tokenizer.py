@@ -81,4 +81,4 @@ def test_even_cut_puts_equal_blocks_on_each_stage() -> None:
     stages = model.split(4)
     assert [len(s) for s in stages] == [3, 2, 2, 3]
     assert [k for s in stages for k in s.state_dict()] == list(model.state_dict())
-    assert model.layer_names() == [str(i) for i in range(10)]
+    assert model.layer_names() == ["embed", *(f"block{k}" for k in range(8)), "head"]

@@ -32,20 +32,29 @@ def register(subparsers: Any) -> None:
         ),
     )
     _add_run_arguments(train)
-    train.set_defaults(func=_train, costs_out=None)
+    train.set_defaults(func=_train, costs_out=None, layers_out=None)
     profile = subparsers.add_parser(
         "profile",
-        help="measure per-stage F, I, W, B and the message latency; write them as a costs file",
+        help="measure per-stage F, I, W, B and the message latency (a costs file), or each layer's costs (a layers file)",
         description=(
             "Run a few training steps of the small GPT (as `pipetrain train` does, same options), measure every "
             "stage's F, I, W and B and the latency of messages between ranks (medians over the first 3 steps, "
             "or all but the last if --steps is under 4), and write them in --costs form, for "
-            "`pipetrain plan --from-profile FILE`."
+            "`pipetrain plan --from-profile FILE`. With --layers-out, rank 0 first measures every layer of the "
+            "model (embedding, blocks, head + loss: F, I, W seconds, activation, output and static bytes, on one "
+            "microbatch) and writes the planner's layers file, for `pipetrain plan --layers FILE`."
         ),
     )
     _add_run_arguments(profile, steps=4)
     profile.add_argument(
         "--costs-out", metavar="FILE", default="costs.txt", help="the costs file to write (default %(default)s)"
+    )
+    profile.add_argument(
+        "--layers-out",
+        metavar="FILE",
+        default=None,
+        help="also write the model's per-layer profile there, as a layers file (.json or .csv) for "
+        "`pipetrain plan --layers FILE`",
     )
     profile.set_defaults(func=_train)
 
@@ -66,9 +75,23 @@ def _add_run_arguments(train: Any, steps: int = _DEFAULTS["steps"]) -> None:
         "--schedule",
         default=_DEFAULTS["schedule"],
         metavar="NAME|FILE.csv|auto",
-        help="schedule name, a CSV/JSON schedule file, or auto: measure the first 3 steps (fewer if --steps is "
-        "under 4; never the last) of ZBVZeroBubble (or ZBH1 with --stages-per-rank 1), plan for the measured "
-        "costs within its memory, and train on with the plan (default %(default)s)",
+        help="schedule name, a CSV/JSON schedule file, or auto: rank 0 measures every layer (embedding, blocks, "
+        "head + loss) and plans the whole pipeline within --memory-limit (the cut into stages, their placement, "
+        "which stages recompute, the order); every rank trains the plan (default %(default)s)",
+    )
+    train.add_argument(
+        "--memory-limit",
+        metavar="BYTES",
+        default=None,
+        help="--schedule auto: bytes a rank may hold (weights, gradients, Adam's state, activations, messages), "
+        "e.g. 2GiB, 512MiB, 80e9 (default: a GPU's memory, or this machine's shared by its ranks)",
+    )
+    train.add_argument(
+        "--plan-time-limit",
+        metavar="SECONDS",
+        type=float,
+        default=None,
+        help="--schedule auto: seconds rank 0 may search for the plan (default 5)",
     )
     train.add_argument(
         "--microbatches",
@@ -130,9 +153,9 @@ def _train(args: argparse.Namespace) -> int:
     require("torch", "train")
     from pipetrain.errors import PipelineError
     from pipetrain.plan.schedule import Schedule, is_schedule_file
-    from pipetrain.train.auto import is_auto
+    from pipetrain.train.auto import is_auto, parse_memory_limit
     from pipetrain.train.launch import no_cuda_reason, spawn, torchrun_env
-    from pipetrain.train.loop import TrainConfig, plan_for, run_rank
+    from pipetrain.train.loop import TrainConfig, load_data, plan_for, run_rank
 
     for name in ("ranks", "stages_per_rank", "microbatches", "steps", "batch_size", "checkpoint_every"):
         value = getattr(args, name)
@@ -199,6 +222,9 @@ def _train(args: argparse.Namespace) -> int:
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every or 10,
         costs_out=args.costs_out,
+        layers_out=args.layers_out,
+        plan_time_limit=5.0 if args.plan_time_limit is None else args.plan_time_limit,
+        memory_limit=None if args.memory_limit is None else parse_memory_limit(args.memory_limit),
     )
     if args.costs_out is not None and args.steps < 2:
         raise PipelineError("profile needs --steps 2 at least (the last step is not among the measured ones)")
@@ -206,11 +232,17 @@ def _train(args: argparse.Namespace) -> int:
         folder = os.path.dirname(os.path.abspath(args.costs_out))
         if os.path.isdir(args.costs_out) or not os.path.isdir(folder):
             raise PipelineError(f"--costs-out {args.costs_out}: give a file in an existing directory")
-    if is_auto(args.schedule) and args.steps < 2:
-        raise PipelineError(
-            "--schedule auto needs --steps 2 at least: it measures the first steps (up to 3, never the last), "
-            "then trains on with the plan"
-        )
+    if args.layers_out is not None:
+        folder = os.path.dirname(os.path.abspath(args.layers_out))
+        if os.path.isdir(args.layers_out) or not os.path.isdir(folder):
+            raise PipelineError(f"--layers-out {args.layers_out}: give a file in an existing directory")
+        if os.path.splitext(args.layers_out)[1].lower() not in (".json", ".csv"):
+            raise PipelineError(f"--layers-out {args.layers_out}: a layers file is .json or .csv")
+    if not is_auto(args.schedule) and (args.memory_limit is not None or args.plan_time_limit is not None):
+        used = "--memory-limit" if args.memory_limit is not None else "--plan-time-limit"
+        raise PipelineError(f"{used} is for --schedule auto (a named schedule or a file fixes the layout)")
+    if args.plan_time_limit is not None and not 0 < args.plan_time_limit < float("inf"):
+        raise PipelineError(f"--plan-time-limit must be a number of seconds > 0, got {args.plan_time_limit:g}")
     if args.clip_grad_norm is not None and not args.clip_grad_norm > 0:
         raise PipelineError(f"--clip-grad-norm must be > 0, got {args.clip_grad_norm}")
     if args.batch_size < microbatches:
@@ -221,7 +253,10 @@ def _train(args: argparse.Namespace) -> int:
         run_rank(env, cfg)
         return 0
     # Problems every rank would hit are reported once, before any process starts.
-    plan_for(cfg, cfg.ranks)
+    if not is_auto(cfg.schedule):
+        plan_for(cfg, cfg.ranks)
+    if cfg.model_config.tokenizer != "bytes":
+        load_data(cfg)  # learnt and encoded once here (then cached), not by every rank at once
     if cfg.device == "cuda":
         import torch
 

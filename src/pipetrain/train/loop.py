@@ -27,14 +27,7 @@ from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.generators import build_schedule
 from pipetrain.plan.schedule import Schedule, is_schedule_file
 from pipetrain.plan.timeline import TimelineEvent
-from pipetrain.train.auto import (
-    PROFILE_STEPS,
-    is_auto,
-    plan_from_profile,
-    profiled_schedule,
-    share_plan,
-    write_profile,
-)
+from pipetrain.train.auto import PROFILE_STEPS, LayerPlan, is_auto, write_profile
 from pipetrain.train.data import TextData
 from pipetrain.train.launch import DistEnv, init_process_group
 from pipetrain.train.model import GPT, MODEL_SIZES, GPTConfig, lm_loss
@@ -79,7 +72,9 @@ class TrainConfig:
     checkpoint_dir: str | None = None  # save there and resume from the latest complete checkpoint in it
     checkpoint_every: int = 10  # steps between checkpoints (one is written after the last step too)
     costs_out: str | None = None  # `pipetrain profile`: write the measured steps' costs there
-    plan_time_limit: float = 5.0  # --schedule auto: seconds rank 0 spends planning after the profiled steps
+    layers_out: str | None = None  # `pipetrain profile`: write the layer profile (the planner's layers file) there
+    plan_time_limit: float = 5.0  # --schedule auto: seconds rank 0 spends planning
+    memory_limit: float | None = None  # --schedule auto: bytes per rank (None: the machine's memory per rank)
 
     @property
     def model_config(self) -> GPTConfig:
@@ -93,6 +88,11 @@ class TrainConfig:
         base = self.model_config
         return replace(base, n_layers=max(base.n_layers, num_stages - 2))
 
+    def auto_model_config(self, world_size: int) -> GPTConfig:
+        """The model ``--schedule auto`` plans for: grown (as :meth:`model_config_for`) only so that each
+        rank can hold ``stages_per_rank`` stages (one if not given) of one layer at least."""
+        return self.model_config_for(world_size * (self.stages_per_rank or 1))
+
 
 @dataclass
 class TrainResult:
@@ -105,7 +105,8 @@ class TrainResult:
     reference_grad_norms: list[float] | None = None
     eval_loss: float = float("nan")
     files: list[str] = field(default_factory=list)
-    plan_summary: str | None = None  # --schedule auto: what was planned from the profiled steps
+    plan_summary: str | None = None  # --schedule auto: the line that says what was planned
+    plan: dict[str, Any] | None = None  # --schedule auto: the plan (cut, recompute, schedule, simulated step, peaks)
 
 
 def load_data(cfg: TrainConfig) -> TextData:
@@ -115,10 +116,11 @@ def load_data(cfg: TrainConfig) -> TextData:
 
 
 def plan_for(cfg: TrainConfig, world_size: int) -> Schedule:
-    """The compute-only schedule this run follows: built by name, or read from a CSV/JSON file."""
+    """The compute-only schedule this run follows: built by name, or read from a CSV/JSON file
+    (``--schedule auto`` plans it in the run: see :func:`pipetrain.train.auto.plan_layers`)."""
     source = cfg.schedule
-    if is_auto(source):  # measured first, then replaced by the plan for what was measured
-        return profiled_schedule(world_size, cfg.microbatches, cfg.stages_per_rank)
+    if is_auto(source):
+        raise PipelineError("--schedule auto is planned by the run (rank 0 profiles the layers and plans)")
     from_file = is_schedule_file(source)
     if from_file:
         schedule = Schedule.load(source)
@@ -150,37 +152,29 @@ def run_rank(env: DistEnv, cfg: TrainConfig) -> TrainResult | None:
 def _train(env: DistEnv, cfg: TrainConfig, device: torch.device) -> TrainResult | None:
     import pipetrain  # the runtime names load lazily
 
-    schedule = plan_for(cfg, env.world_size)
+    data = load_data(cfg)
+    schedule, mcfg, parts, layer_plan = _layout(env, cfg, device, data)
     num_stages = schedule.num_stages
     last_stage = num_stages - 1
-    mcfg = cfg.model_config_for(num_stages)
-    torch.manual_seed(cfg.seed)
-    model = GPT(mcfg)
-    parts = model.split(num_stages)
     mine = [s for s in range(num_stages) if schedule.stage_to_rank[s] == env.rank]
     stages = [pipetrain.PipelineStage(parts[s].to(device), s, num_stages, device) for s in mine]
     sched = _make_schedule(pipetrain, cfg, schedule, stages)
     params = [p for s in mine for p in parts[s].parameters()]
     optimizer = torch.optim.Adam(params, lr=cfg.lr)
-    data = load_data(cfg)
     ckpt = Checkpointer(cfg.checkpoint_dir, keep=2) if cfg.checkpoint_dir else None
     resumed = _resume(ckpt, stages, optimizer)
     start = min(resumed.step, cfg.steps)
 
     reporting = last_stage in mine
     has_first = 0 in mine
-    if reporting and mcfg.n_layers > cfg.model_config.n_layers:
-        print(
-            f"model {cfg.model!r} grown to {mcfg.n_layers} blocks: one layer at least for each of {num_stages} stages"
-        )
-    result = _result_so_far(resumed, start, cfg) if reporting else None
+    result = _announce(cfg, mcfg, num_stages, layer_plan, resumed, start) if reporting else None
     kill_at = _kill_step(env.rank)
     reporter = (
         StepReporter(
             cfg.steps,
             title=f"{schedule.name or 'schedule'} × {_count(env.world_size, 'rank')}, {_count(num_stages, 'stage')}, "
             f"{_count(schedule.num_microbatches, 'microbatch')}, batch {cfg.batch_size}, model {cfg.model} on "
-            f"{cfg.device}" + (" (profiled, then the plan)" if is_auto(cfg.schedule) else ""),
+            f"{cfg.device}" + (" (planned by --schedule auto)" if is_auto(cfg.schedule) else ""),
         )
         if reporting
         else None
@@ -215,9 +209,7 @@ def _train(env: DistEnv, cfg: TrainConfig, device: torch.device) -> TrainResult 
                 result.step_times.append(dt)
                 reporter.update(step, loss, tokens / dt)
             if profiling:
-                schedule, sched = _profiled(
-                    _gather_timeline(sched, env, origin), profile, schedule, sched, stages, cfg, result
-                )
+                _profiled(_gather_timeline(sched, env, origin), profile, schedule, cfg)
             if ckpt is not None and ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps):
                 _save(ckpt, step + 1, stages, optimizer, result, schedule.stage_to_rank[last_stage], cfg)
         measured = _gather_timeline(sched, env, origin)
@@ -232,7 +224,7 @@ def _train(env: DistEnv, cfg: TrainConfig, device: torch.device) -> TrainResult 
             reporter.close()
 
     if result is not None:
-        _conclude(cfg, result, start, schedule, measured, tokens, device)
+        _conclude(cfg, result, start, schedule, measured, tokens, device, mcfg)
     dist.barrier()
     if reporting and result is not None and result.reference is not None and not _agrees(result):
         raise PipelineError(_mismatch(result))
@@ -247,6 +239,7 @@ def _conclude(
     measured: Any,
     tokens: int,
     device: torch.device,
+    mcfg: GPTConfig,
 ) -> None:
     """On the reporting rank: the final line, the outputs, and the --check reference."""
     num_stages = schedule.num_stages
@@ -266,9 +259,30 @@ def _conclude(
         if cfg.check:
             result.reference_grad_norms = []
             result.reference = reference_losses(
-                cfg, device, schedule.num_microbatches, num_stages, grad_norms=result.reference_grad_norms
+                cfg,
+                device,
+                schedule.num_microbatches,
+                num_stages,
+                grad_norms=result.reference_grad_norms,
+                model_config=mcfg,
             )
             _report_check(result)
+
+
+def _announce(
+    cfg: TrainConfig, mcfg: GPTConfig, num_stages: int, layer_plan: LayerPlan | None, resumed: Resumed, start: int
+) -> TrainResult:
+    """On the reporting rank: say how the model grew and what was planned; the result so far."""
+    if mcfg.n_layers > cfg.model_config.n_layers:
+        print(
+            f"model {cfg.model!r} grown to {mcfg.n_layers} blocks: one layer at least for each of {num_stages} stages"
+        )
+    result = _result_so_far(resumed, start, cfg)
+    if layer_plan is not None:
+        print(layer_plan.line, flush=True)
+        result.plan_summary = layer_plan.line
+        result.plan = layer_plan.summary
+    return result
 
 
 def _resume(ckpt: Checkpointer | None, stages: list[Any], optimizer: Any) -> Resumed:
@@ -344,13 +358,13 @@ def _report_outputs(out: Path, files: list[str]) -> None:
 
 
 def _measures(cfg: TrainConfig) -> bool:
-    """Whether this run measures its first steps (``--schedule auto`` and ``pipetrain profile`` do)."""
-    return is_auto(cfg.schedule) or cfg.costs_out is not None
+    """Whether this run measures its first steps for a costs file (``pipetrain profile`` does)."""
+    return cfg.costs_out is not None
 
 
 def _line_up(auto: bool, profile: list[Any], step: int, steps: int) -> bool:
-    """Barrier before a recorded step (the last one, and those ``--schedule auto`` measures) so it
-    starts together on every rank; whether ``step`` is one that ``auto`` measures."""
+    """Barrier before a recorded step (the last one, and those ``pipetrain profile`` measures) so it
+    starts together on every rank; whether ``step`` is one that is measured for the costs file."""
     measuring = auto and len(profile) < PROFILE_STEPS and step < steps - 1
     if measuring or step == steps - 1:
         dist.barrier()
@@ -361,34 +375,112 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" + ("" if n == 1 else "es" if noun.endswith("h") else "s")
 
 
-def _profiled(
-    measured: Any,
-    profile: list[Any],
-    schedule: Schedule,
-    sched: Any,
-    stages: list[Any],
-    cfg: TrainConfig,
-    result: TrainResult | None,
-) -> tuple[Schedule, Any]:
-    """``--schedule auto``: keep a profiled step's timeline; after the last one, plan on rank 0 and
-    return every rank's new schedule and runtime (else the ones running); the reporting rank's
-    ``result`` keeps what was planned."""
-    import pipetrain
-
+def _profiled(measured: Any, profile: list[Any], schedule: Schedule, cfg: TrainConfig) -> None:
+    """``pipetrain profile``: keep a measured step's timeline; after the last one, write the costs file."""
     if measured is not None:
         profile.append(measured)
-    if len(profile) < min(PROFILE_STEPS, cfg.steps - 1):
-        return schedule, sched
-    if cfg.costs_out is not None:
+    if len(profile) == min(PROFILE_STEPS, cfg.steps - 1) and cfg.costs_out is not None:
         write_profile(cfg.costs_out, schedule, profile)
-    if not is_auto(cfg.schedule):
-        return schedule, sched
-    planned = share_plan(plan_from_profile(schedule, profile, cfg.plan_time_limit) if dist.get_rank() == 0 else None)
-    if schedule.num_stages - 1 in [s.stage_index for s in stages]:
-        print(planned.summary)
-    if result is not None:
-        result.plan_summary = planned.summary
-    return planned.schedule, pipetrain.PipelineScheduleRuntime(stages, planned.schedule, loss_fn=lm_loss)
+
+
+def _layout(
+    env: DistEnv, cfg: TrainConfig, device: torch.device, data: TextData
+) -> tuple[Schedule, GPTConfig, list[nn.Module], LayerPlan | None]:
+    """The schedule, the model's sizes and every stage's module (and, under ``--schedule auto``, the plan)."""
+    if is_auto(cfg.schedule):
+        layer_plan, mcfg, parts = _auto_layout(env, cfg, device, data)
+        return layer_plan.schedule, mcfg, parts, layer_plan
+    schedule = plan_for(cfg, env.world_size)
+    mcfg = cfg.model_config_for(schedule.num_stages)
+    torch.manual_seed(cfg.seed)
+    model = GPT(mcfg)
+    if cfg.layers_out is not None:
+        _write_layers(env, cfg, model, data, device)
+    return schedule, mcfg, list(model.split(schedule.num_stages)), None
+
+
+def _auto_layout(
+    env: DistEnv, cfg: TrainConfig, device: torch.device, data: TextData
+) -> tuple[LayerPlan, GPTConfig, list[nn.Module]]:
+    """``--schedule auto``: rank 0 profiles the model's layers and plans; every rank gets the plan and
+    cuts its model by it. Returns the plan, the model's sizes and every stage's module."""
+    from pipetrain.train.auto import build_stages, machine_memory_per_rank, plan_layers, share_plan
+
+    mcfg = cfg.auto_model_config(env.world_size)
+    torch.manual_seed(cfg.seed)
+    model = GPT(mcfg)
+    layers, latency, error = _layer_profile(env, cfg, model, data, device)
+    plan: LayerPlan | str | None = None
+    if env.rank == 0:
+        if error is not None:
+            plan = error
+        else:
+            if cfg.memory_limit is not None:
+                limit, source = cfg.memory_limit, "--memory-limit"
+            else:
+                limit, source = machine_memory_per_rank(device)
+            stages = 2 * env.world_size  # the named schedule to compare with: ZB-V on the default (even) cut
+            even = _cut_names(model, model.split(stages)) if len(model) >= stages else None
+            try:
+                plan = plan_layers(
+                    layers,
+                    env.world_size,
+                    cfg.microbatches,
+                    limit,
+                    source,
+                    stages_per_rank=cfg.stages_per_rank,
+                    comm=latency,
+                    time_limit=cfg.plan_time_limit,
+                    baseline=("ZBVZeroBubble", even) if even is not None else None,
+                )
+            except (ScheduleError, PipelineError, ValueError) as err:
+                plan = str(err)
+    shared = share_plan(plan)
+    model.to("cpu")
+    return shared, mcfg, build_stages(model, shared)
+
+
+def _cut_names(model: GPT, parts: list[nn.Sequential]) -> list[list[str]]:
+    names = model.layer_names()
+    out = []
+    k = 0
+    for part in parts:
+        out.append(names[k : k + len(part)])
+        k += len(part)
+    return out
+
+
+def _layer_profile(
+    env: DistEnv, cfg: TrainConfig, model: GPT, data: TextData, device: torch.device
+) -> tuple[list[Any], float, str | None]:
+    """Rank 0's per-layer profile of ``model`` on one microbatch of the training data, and the
+    message latency between ranks 0 and 1 for a block's output (a collective). On other ranks no
+    layers. The error, if profiling failed, as text (rank 0 tells every rank)."""
+    from pipetrain.train.auto import measure_latency, profile_model
+
+    rows = -(-cfg.batch_size // cfg.microbatches)
+    x, y = data.batch(0, rows, model.cfg.seq_len, seed=cfg.seed)
+    latency = measure_latency(rows * model.cfg.seq_len * model.cfg.d_model * 4, device)
+    if env.rank != 0:
+        return [], latency, None
+    try:
+        model.to(device)
+        return profile_model(model, x.to(device), y.to(device), lm_loss), latency, None
+    except (ScheduleError, PipelineError, ValueError, RuntimeError) as err:
+        return [], latency, f"profiling the layers failed: {err}"
+
+
+def _write_layers(env: DistEnv, cfg: TrainConfig, model: GPT, data: TextData, device: torch.device) -> None:
+    """``pipetrain profile --layers-out FILE``: rank 0 writes the model's layer profile (a collective)."""
+    from pipetrain.train.auto import write_layers
+
+    assert cfg.layers_out is not None
+    layers, latency, error = _layer_profile(env, cfg, model, data, device)
+    if env.rank == 0:
+        model.to("cpu")
+        if error is not None:
+            raise PipelineError(error)
+        write_layers(cfg.layers_out, layers, cfg, latency)
 
 
 def _make_schedule(pipetrain: Any, cfg: TrainConfig, schedule: Schedule, stages: list[Any]) -> Any:
@@ -462,6 +554,7 @@ def reference_losses(
     n_microbatches: int | None = None,
     num_stages: int = 1,
     grad_norms: list[float] | None = None,
+    model_config: GPTConfig | None = None,
 ) -> list[float]:
     """The same model, init, data and optimizer trained without pipelining; one loss per step.
 
@@ -469,7 +562,7 @@ def reference_losses(
     equals the whole-batch mean when the batch divides evenly. With clipping, ``grad_norms``
     (when given) receives each step's gradient norm before clipping.
     """
-    mcfg = cfg.model_config_for(num_stages)
+    mcfg = model_config or cfg.model_config_for(num_stages)
     torch.manual_seed(cfg.seed)
     model: nn.Module = GPT(mcfg).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)

@@ -138,16 +138,23 @@ class Head(nn.Module):
 
 
 class GPT(nn.Sequential):
-    """``GPT(cfg)(tokens) -> logits``; an ``nn.Sequential``, so :meth:`split` can cut it anywhere."""
+    """``GPT(cfg)(tokens) -> logits``; an ``nn.Sequential``, so :meth:`split` can cut it anywhere.
+
+    Its layers are named ``embed``, ``block0`` … ``block{n-1}``, ``head`` (``model[0]`` still
+    indexes them): the names a layer profile and a plan's ``stage_layers`` use, and from which the
+    planner tells the embedding and the head from the blocks (as in Megatron's layout string).
+    """
 
     def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__(Embedding(cfg), *(Block(cfg) for _ in range(cfg.n_layers)), Head(cfg))
+        layers: list[tuple[str, nn.Module]] = [("embed", Embedding(cfg))]
+        layers += [(f"block{k}", Block(cfg)) for k in range(cfg.n_layers)]
+        layers.append(("head", Head(cfg)))
+        super().__init__(OrderedDict(layers))
         self.cfg = cfg
         self.apply(_init_weights)
 
     def layer_names(self) -> list[str]:
-        """The layers' names in run order (``"0"`` the embedding, ``"1"`` … the blocks, the last the head):
-        what a layer profile and a plan's ``stage_layers`` call them."""
+        """The layers' names in run order: ``embed``, ``block0`` …, ``head``."""
         return [name for name, _ in self.named_children()]
 
     def split(self, num_stages: int, *, by: str = "even") -> list[nn.Sequential]:

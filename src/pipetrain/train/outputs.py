@@ -87,10 +87,15 @@ def write_outputs(
         "losses": result.losses,
         "grad_norms": getattr(result, "grad_norms", []),
         "tokens_per_s_last": tokens_per_step / result.step_times[-1],
+        "tokens_per_step": tokens_per_step,
+        "step_times_s": getattr(result, "step_times", []),
     }
     plan_summary = getattr(result, "plan_summary", None)
     if plan_summary:
         summary["auto"] = plan_summary
+    plan = getattr(result, "plan", None)
+    if plan:
+        summary["plan"] = plan
     # The schedule the last step trained with (JSON keeps its name): `--schedule FILE` trains it again.
     schedule.to_json(out / "schedule.json")
     written.append(out / "schedule.json")
@@ -130,6 +135,43 @@ def write_outputs(
     return [str(p) for p in written]
 
 
+def _bytes(value: float) -> str:
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(value) >= size:
+            return f"{value / size:.2f} {unit}"
+    return f"{value:.0f} B"
+
+
+def _plan_md(plan: dict[str, Any]) -> list[str]:
+    """The plan as a table: each stage's layers, rank and recompute; then the simulated step and peaks."""
+    where = plan.get("stage_to_rank", {})
+    recompute = set(plan.get("recompute", []))
+    lines = ["| stage | rank | layers | recompute |", "|---|---|---|---|"]
+    for s, names in enumerate(plan.get("stage_layers", [])):
+        lines.append(f"| {s} | {where.get(str(s), '?')} | {', '.join(names)} | {'yes' if s in recompute else ''} |")
+    limit = plan.get("memory_limit")
+    peaks = plan.get("peak_memory_bytes", {})
+    lines += [
+        "",
+        f"Schedule {plan.get('schedule')} ({plan.get('placement')} placement, {plan.get('stages_per_rank')} stage(s) "
+        f"per rank): simulated step {plan.get('makespan', 0.0) * 1e3:.4g} ms, bubble {plan.get('bubble', 0.0):.1%}; "
+        f"memory limit {_bytes(limit) if limit is not None else 'none'} ({plan.get('memory_limit_source', '')}).",
+        "",
+        "| rank | planned peak |",
+        "|---|---|",
+        *(f"| {r} | {_bytes(v)} |" for r, v in sorted(peaks.items(), key=lambda kv: int(kv[0]))),
+        "",
+    ]
+    base = plan.get("baseline")
+    if base and "makespan" in base:
+        lines += [
+            f"{base['schedule']} on the even cut, simulated with the same layer costs: "
+            f"{base['makespan'] * 1e3:.4g} ms ({base['makespan'] / plan['makespan']:.3f}x the plan's step).",
+            "",
+        ]
+    return lines
+
+
 def _summary_md(s: dict[str, Any]) -> str:
     lines = [
         f"# pipetrain train: {s['schedule']}",
@@ -143,7 +185,9 @@ def _summary_md(s: dict[str, Any]) -> str:
         "",
     ]
     if s.get("auto"):
-        lines += [f"Planned from the profiled steps (`--schedule auto`): {s['auto']}", ""]
+        lines += [f"Planned by `--schedule auto`: {s['auto']}", ""]
+    if s.get("plan"):
+        lines += _plan_md(s["plan"])
     if s.get("schedule_file"):
         lines += [f"The last step's schedule: `pipetrain train --schedule {s['schedule_file']}` runs it again.", ""]
     if "measured_step_s" in s:
