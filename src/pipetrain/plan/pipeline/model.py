@@ -13,6 +13,7 @@ is returned.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import combinations, pairwise
@@ -98,9 +99,10 @@ class StageValues:
         return self.inp[s] if s in recompute else self.act[s]
 
 
-def masks_of(stages: Sequence[int]) -> list[frozenset[int]]:
+@functools.lru_cache(maxsize=1024)
+def masks_of(stages: tuple[int, ...]) -> tuple[frozenset[int], ...]:
     """Every subset of ``stages`` (which of a rank's stages recompute), smallest first."""
-    return [frozenset(c) for k in range(len(stages) + 1) for c in combinations(stages, k)]
+    return tuple(frozenset(c) for k in range(len(stages) + 1) for c in combinations(stages, k))
 
 
 def count_vectors(problem: Problem, orders: Orders, rank_stages: Sequence[Sequence[int]]) -> list[Vectors]:

@@ -294,7 +294,6 @@ class Search:
         sv: StageValues,
         r: int,
         vectors: Vectors,
-        slack: float = 0.0,
         optimistic: bool = False,
     ) -> tuple[float, frozenset[int], float] | None:
         """(rank time, recompute set, peak bytes) of the fastest recompute set of rank ``r``'s
@@ -313,11 +312,22 @@ class Search:
             peak = max(sum(c * h for c, h in zip(vec, held, strict=True)) for vec in vectors)
             transient = max((sv.act[s] for s in mask), default=0.0)
             need = static + peak + transient + margin
-            if self.limit is not None and need > self.limit - slack + _EPS:
+            if self.limit is not None and need > self.limit + _EPS:
                 continue
             if best is None or t < best[0] - _EPS or need < best[2]:
                 best = (t, mask, need)
         return best
+
+    def least_need(self, layout: Layout, sv: StageValues, r: int) -> float:
+        """The least memory rank ``r`` needs: one microbatch of each of its stages held, at the
+        recompute choice that needs least (fast model)."""
+        stages = layout.rank_stages[r]
+        static = sum(sv.static[s] for s in stages) + self.margin(layout, sv, r)
+        least = _INF
+        for mask in masks_of(stages):
+            held = sum(sv.held(s, mask) + (sv.inp[s] if layout.cross_in(s) else 0.0) for s in stages)
+            least = min(least, static + held + max((sv.act[s] for s in mask), default=0.0))
+        return least
 
     def choose(
         self, layout: Layout, cut: Cut, vectors: Sequence[Vectors], optimistic: bool = False
@@ -860,11 +870,7 @@ class Search:
             r = max(range(self.P), key=lambda k: statics[k])
             if best_static is None or statics[r] < best_static[0]:
                 best_static = (statics[r], r, layout, cut)
-            ones = [tuple([1] * len(stages)) for stages in layout.rank_stages]
-            needs = []
-            for k in range(self.P):
-                got = self.rank_choice(layout, sv, k, [ones[k]], slack=-_INF)
-                needs.append(got[2] if got is not None else _INF)
+            needs = [self.least_need(layout, sv, k) for k in range(self.P)]
             r2 = max(range(self.P), key=lambda k: needs[k])
             if best_least is None or needs[r2] < best_least[0]:
                 best_least = (needs[r2], r2, layout, cut)
