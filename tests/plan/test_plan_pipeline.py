@@ -341,6 +341,9 @@ def test_plan_is_a_plan_with_the_api() -> None:
     assert isinstance(plan.recompute, frozenset)
     assert set(plan.peak_memory_bytes) == {0, 1}
     assert isinstance(plan.best_named, Candidate) and plan.makespan <= plan.best_named.result.makespan + 1e-9
+    lowered = plan.lowered_peak_memory_bytes()
+    assert lowered == simulate(plan.schedule.lower(), plan.costs).peak_memory_bytes
+    assert all(abs(lowered[r] - plan.peak_memory_bytes[r]) <= 4 * 0.07 * GB for r in lowered)
     check_plan(plan, layers, 80e9)
 
 

@@ -124,6 +124,8 @@ def _print_plan(plan: PipelinePlan, args: argparse.Namespace, meta: dict[str, An
         )
     peaks = "  ".join(f"r{r} {format_bytes(b)}" for r, b in sorted(plan.peak_memory_bytes.items()))
     print(f"peak memory per rank: {peaks}")
+    lowered = max(plan.lowered_peak_memory_bytes().values(), default=0.0)
+    print(f"  (lowered, with SEND/RECV as it runs: largest {format_bytes(lowered)})")
     _print_hand_splits(plan, args.top)
     print("exports:")
     print(f"  torchtitan module_fqns_per_model_part = {json.dumps(plan.module_fqns_per_model_part())}")

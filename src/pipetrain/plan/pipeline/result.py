@@ -13,6 +13,7 @@ from pipetrain.plan.pipeline.cuts import layer_symbol
 from pipetrain.plan.pipeline.layers import LayerCost
 from pipetrain.plan.pipeline.search import HandSplit
 from pipetrain.plan.search import Plan
+from pipetrain.plan.simulate import simulate
 
 __all__ = ["PipelinePlan", "megatron_layout", "parse_megatron_layout"]
 
@@ -58,6 +59,14 @@ class PipelinePlan(Plan):
     @property
     def stage_to_rank(self) -> dict[int, int]:
         return dict(self.schedule.stage_to_rank)
+
+    def lowered_peak_memory_bytes(self) -> dict[int, float]:
+        """Per rank, the peak of the lowered schedule (SEND/RECV added, as the runtime runs it):
+        ``simulate(plan.schedule.lower(), plan.costs)``, whose message buffers are posted where the
+        lowering puts them. The plan checks ``peak_memory_bytes`` (compute-only) against the limit;
+        the two differ by a few message buffers."""
+        result = simulate(self.schedule.lower(), self.costs)
+        return dict(result.peak_memory_bytes or dict.fromkeys(range(self.num_ranks), 0.0))
 
     @property
     def best_hand_split(self) -> HandSplit | None:
@@ -106,6 +115,7 @@ class PipelinePlan(Plan):
             "makespan": self.makespan,
             "bubble": self.bubble,
             "peak_memory_bytes": {str(r): v for r, v in sorted(self.peak_memory_bytes.items())},
+            "lowered_peak_memory_bytes": {str(r): v for r, v in sorted(self.lowered_peak_memory_bytes().items())},
             "how": self.how,
             "search_seconds": self.search_seconds,
             "costs": str(self.costs),
