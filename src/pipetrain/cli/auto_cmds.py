@@ -29,7 +29,10 @@ def register(subparsers: Any) -> None:
         description="Simulate every named schedule and stages-per-rank choice for the given costs, list them "
         "fastest first with their peak memory, then construct per-rank orders (auto_schedule) that beat the "
         "fastest one that fits --memory-limit, or fit where none does; keep the best (written with "
-        "--csv/--json, ready for `pipetrain train --schedule FILE`).",
+        "--csv/--json, ready for `pipetrain train --schedule FILE`). With --layers FILE (a per-layer profile) it "
+        "plans the whole pipeline instead: the cut into stages, placement, recompute and schedule within "
+        "--memory-limit bytes per rank, beside the hand splits peers use, with torchtitan's and Megatron's settings "
+        "for the cut.",
     )
     plan.add_argument("--ranks", "-p", type=int, required=True, help="number of pipeline ranks P")
     plan.add_argument("--microbatches", "-m", type=int, required=True, help="number of microbatches M")
