@@ -469,7 +469,7 @@ def test_keeps_to_its_time_limit() -> None:
     layers = llm_layers(30)
     started = time.perf_counter()
     plan = plan_pipeline(layers, 8, 16, 80e9, time_limit=1.5)
-    assert time.perf_counter() - started < 1.5 + 1.0  # (a loaded machine: some slack)
+    assert time.perf_counter() - started < 1.5 + 2.0  # (a loaded machine: some slack)
     check_plan(plan, layers, 80e9)
 
 
