@@ -53,7 +53,9 @@ def _measure(rank: int, schedule: Any, modules: list[nn.Module], n_mb: int, keep
 
 
 def _promised(rank: int, schedule: Any, modules: list[nn.Module], keep: bool) -> tuple[float, float]:
-    """simulate's peak for this rank, and one action's temporaries (a stage's backward gradients)."""
+    """simulate's peak for this rank, and one action's temporaries: a stage's backward holds the
+    gradient it was given, the one of the layer it is differentiating and that layer's result,
+    each a message's size here."""
     from pipetrain.memory import stage_bytes
     from pipetrain.plan import Costs, simulate
 
@@ -68,7 +70,7 @@ def _promised(rank: int, schedule: Any, modules: list[nn.Module], keep: bool) ->
     )
     promised = simulate(schedule.schedule, costs, keep_outputs=keep).peak_memory_bytes
     assert promised is not None
-    temporaries = 2 * max(s["message_bytes"] for s in sizes) + 32_000
+    temporaries = 3 * max(s["message_bytes"] for s in sizes)
     return promised[rank], temporaries
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipetrain.plan.actions import Action
+from pipetrain.plan.actions import Action, ActionKind
 from pipetrain.plan.costs import Costs
 from pipetrain.plan.dependencies import C_B, C_F, C_I, C_RECV_B, C_RECV_F, C_SEND_B, C_SEND_F, CODE
 
@@ -61,7 +61,6 @@ class Cells:
     f_end: list[tuple[int, float] | None]
     grad_end: list[tuple[int, float] | None]
     split: list[bool]  # the input gradient came from an I (a W follows)
-    grad_start: list[tuple[int, float] | None]
 
 
 def peak_memory(
@@ -72,9 +71,11 @@ def peak_memory(
     costs: Costs,
     events: list[Event] | None,
     outputs_until: float | None = None,
+    confirmed: dict[int, dict[Action, list[Action]]] | None = None,
 ) -> Peaks:
     """Peaks by a sweep over each rank's allocations and frees (``events``: the simulation's, for
-    message buffers; None skips them). ``outputs_until``: the step's end, where the last stage
+    message buffers; None skips them; ``confirmed``: a lowered schedule's
+    :func:`~pipetrain.plan.delivery.confirmed_sends`). ``outputs_until``: the step's end, where the last stage
     kept every microbatch's output (``return_outputs``) and merges them into one more copy.
 
     Changes at one time sort by the event that makes them (the rank's program order), then an
@@ -104,7 +105,8 @@ def peak_memory(
         per_rank[r].append((freed, cells.free_ev[idx], 1, -1, -b))
     in_bytes = any(getattr(costs, name) is not None for name in _BYTE_COSTS)
     if costs.message_bytes is not None and events is not None:
-        _message_buffers(per_rank, rank_of, n_mb, cells, costs.per_stage("message_bytes", n_st), costs.comm, events)
+        sizes = costs.per_stage("message_bytes", n_st)
+        _message_buffers(per_rank, rank_of, n_mb, cells, sizes, costs.comm, events, confirmed or {})
     if outputs_until is not None and costs.message_bytes is not None:
         _kept_outputs(per_rank[rank_of[-1]], cells, n_mb, costs.per_stage("message_bytes", n_st)[-1], outputs_until)
     peaks = Peaks({}, {}, {} if in_bytes else None, {} if in_bytes else None)
@@ -165,6 +167,7 @@ def _message_buffers(
     size: list[float],
     comm: float,
     events: list[Event],
+    confirmed: dict[int, dict[Action, list[Action]]],
 ) -> None:
     """Add each message's buffers (see the module docs) to ``per_rank``."""
     posts: dict[Key, tuple[float, float]] = {}  # (code, stage, mb) -> (post time, event)
@@ -172,7 +175,7 @@ def _message_buffers(
         code = CODE[action.kind]
         if C_SEND_F <= code <= C_RECV_B and action.microbatch is not None:
             posts[(code, action.stage, action.microbatch)] = (start, eid)
-    buffers = _Buffers(per_rank, posts, comm, _sure_delivered(events, rank_of, cells, n_mb) if posts else {})
+    buffers = _Buffers(per_rank, posts, comm, _sure_delivered(events, confirmed) if posts else {})
     for s in range(len(rank_of) - 1):
         r0, r1, b = rank_of[s], rank_of[s + 1], size[s]
         if b == 0:
@@ -195,40 +198,20 @@ def _message_buffers(
                 buffers.message((C_SEND_B, s + 1, m), (C_RECV_B, s, m), r1, r0, b, (g_up[1], g_up[0]), end_here)
 
 
-def _sure_delivered(events: list[Event], rank_of: list[int], cells: Cells, n_mb: int) -> dict[Key, tuple[float, float]]:
-    """For each SEND of a lowered schedule, when its rank is sure it was delivered, whatever the timing.
-
-    A send completes once its receiver posted the RECV. Its sender knows that for certain when it
-    takes a message its receiver sent after posting that RECV: at the start of the compute that
-    uses that message. A send never so confirmed counts until the step's end (the runtime waits
-    for it there). The runtime frees a sent buffer as soon as its send completes, which is never
-    later: so the count holds however much faster or slower each rank runs than the costs say.
-    """
+def _sure_delivered(
+    events: list[Event], confirmed: dict[int, dict[Action, list[Action]]]
+) -> dict[Key, tuple[float, float]]:
+    """For each SEND of a lowered schedule, when its rank is sure it was delivered: at the start of
+    the compute that confirms it (:mod:`pipetrain.plan.delivery`), else at the step's end."""
     end = max((e[3] for e in events), default=0.0)
     sure: dict[Key, tuple[float, float]] = {}
-    awaiting: dict[tuple[int, int], list[Key]] = {}  # (receiver, sender) -> RECVs not yet answered
-    for rank, action, _, _, _ in events:  # (each rank's events are in its program order)
-        code, s, m = CODE[action.kind], action.stage, action.microbatch
-        if m is None or not C_SEND_F <= code <= C_RECV_B:
-            continue
-        if code == C_RECV_F or code == C_RECV_B:
-            sender = rank_of[s - 1] if code == C_RECV_F else rank_of[s + 1]
-            send_code, send_stage = (C_SEND_F, s - 1) if code == C_RECV_F else (C_SEND_B, s + 1)
-            awaiting.setdefault((rank, sender), []).append((send_code, send_stage, m))
-            continue
-        peer = rank_of[s + 1] if code == C_SEND_F else rank_of[s - 1]
-        answered = awaiting.pop((rank, peer), [])
-        if not answered:
-            continue
-        # The peer uses this message in F(s+1, m) or in I/B(s-1, m): sure from that compute's start.
-        if code == C_SEND_F:
-            idx = (s + 1) * n_mb + m
-            use: tuple[float, float] | None = (cells.alloc_at[idx], cells.alloc_ev[idx] - 0.5)
-        else:
-            g = cells.grad_start[(s - 1) * n_mb + m]
-            use = None if g is None else (g[1], g[0] - 0.5)
-        for key in answered:
-            sure[key] = use if use is not None else (end, _LATE)
+    for eid, (rank, action, start, _, _) in enumerate(events):
+        for send in confirmed.get(rank, {}).get(action, ()):
+            assert send.microbatch is not None
+            sure[(CODE[send.kind], send.stage, send.microbatch)] = (start, eid - 0.5)
+    for _, action, _, _, _ in events:
+        if (action.kind is ActionKind.SEND_F or action.kind is ActionKind.SEND_B) and action.microbatch is not None:
+            sure.setdefault((CODE[action.kind], action.stage, action.microbatch), (end, float(_LATE)))
     return sure
 
 
@@ -284,11 +267,10 @@ class _Buffers:
             self.hold(receiver, b, (arrives, -1.0), used)
 
 
-def record_part(cells: Cells, code: int, idx: int, eid: int, start: float, end: float) -> None:
+def record_part(cells: Cells, code: int, idx: int, eid: int, end: float) -> None:
     """Note a compute part that makes a cell's output (F) or input gradient (I, B)."""
     if code == C_F:
         cells.f_end[idx] = (eid, end)
     elif code == C_I or code == C_B:
-        cells.grad_start[idx] = (eid, start)
         cells.grad_end[idx] = (eid, end)
         cells.split[idx] = code == C_I

@@ -8,9 +8,10 @@ consecutive SEND/RECV actions, and an idle step or any other action ends it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pipetrain.plan.actions import Action, ActionKind
+from pipetrain.plan.delivery import confirmed_sends
 from pipetrain.plan.schedule import Schedule
 
 __all__ = ["ProgramStep", "RankProgram", "compile_program", "split_stages"]
@@ -35,13 +36,16 @@ class RankProgram:
 
     ``split_stages``: the stages whose backward this rank runs as separate I and W (only their
     forwards keep track of saved tensors). ``sends``: ``(step number, action)`` of every SEND,
-    in order, so a failing rank can tell which messages it still owes.
+    in order, so a failing rank can tell which messages it still owes. ``confirms``: step number
+    -> this rank's SENDs surely delivered once that step's inputs arrived
+    (:mod:`pipetrain.plan.delivery`), whose buffers the executor then releases.
     """
 
     rank: int
     steps: tuple[ProgramStep, ...]
     split_stages: frozenset[int]
     sends: tuple[tuple[int, Action], ...]
+    confirms: dict[int, tuple[Action, ...]] = field(default_factory=dict)
 
 
 def split_stages(actions: list[Action | None]) -> frozenset[int]:
@@ -55,8 +59,11 @@ def split_stages(actions: list[Action | None]) -> frozenset[int]:
     )
 
 
-def compile_program(schedule: Schedule, rank: int) -> RankProgram:
-    """``rank``'s program of ``schedule`` as the executor runs it (linear in its length)."""
+def compile_program(
+    schedule: Schedule, rank: int, confirmed: dict[int, dict[Action, list[Action]]] | None = None
+) -> RankProgram:
+    """``rank``'s program of ``schedule`` as the executor runs it (linear in its length);
+    ``confirmed``: the schedule's :func:`~pipetrain.plan.delivery.confirmed_sends`, when known."""
     actions = schedule.actions[rank]
     steps: list[ProgramStep] = []
     sends: list[tuple[int, Action]] = []
@@ -77,4 +84,8 @@ def compile_program(schedule: Schedule, rank: int) -> RankProgram:
             steps.append(ProgramStep(i, (action,), False))
     if group:
         steps.append(ProgramStep(start, tuple(group), True))
-    return RankProgram(rank, tuple(steps), split_stages(actions), tuple(sends))
+    mine = (confirmed_sends(schedule) if confirmed is None else confirmed).get(rank, {})
+    confirms = {
+        k: tuple(mine[step.actions[0]]) for k, step in enumerate(steps) if not step.comm and step.actions[0] in mine
+    }
+    return RankProgram(rank, tuple(steps), split_stages(actions), tuple(sends), confirms)

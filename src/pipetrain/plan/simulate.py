@@ -37,6 +37,7 @@ from pipetrain.plan._graph import gc_paused
 from pipetrain.plan._text import count
 from pipetrain.plan.actions import Action
 from pipetrain.plan.costs import Costs
+from pipetrain.plan.delivery import confirmed_sends
 from pipetrain.plan.dependencies import (
     C_B,
     C_F,
@@ -298,7 +299,7 @@ def _simulate(schedule: Schedule, costs: Costs | None, keep_outputs: bool = Fals
     def account(code: int, idx: int, d: float, start: float, end: float, eid: int) -> None:
         """Record a compute part's duration and its activation's alloc/free times (and event)."""
         part_dur[code][idx] = d
-        record_part(cells, code, idx, eid, start, end)
+        record_part(cells, code, idx, eid, end)
         if code == C_F:
             alloc_at[idx] = start
             alloc_ev[idx] = eid
@@ -328,7 +329,6 @@ def _simulate(schedule: Schedule, costs: Costs | None, keep_outputs: bool = Fals
         [None] * n_cells,
         [None] * n_cells,
         [False] * n_cells,
-        [None] * n_cells,
     )
     alloc_at, alloc_ev, free_at, free_ev = cells.alloc_at, cells.alloc_ev, cells.free_at, cells.free_ev
     waiting_on: dict[int, int] = {}
@@ -415,7 +415,8 @@ def _simulate(schedule: Schedule, costs: Costs | None, keep_outputs: bool = Fals
 
     makespan = max(max(clock, default=0.0), last_delivery)  # a step ends when every message is delivered
 
-    peaks = peak_memory(rank_of, n_mb, n_rk, cells, costs, events, makespan if keep_outputs else None)
+    confirmed = confirmed_sends(schedule) if lowered and costs.message_bytes is not None else None
+    peaks = peak_memory(rank_of, n_mb, n_rk, cells, costs, events, makespan if keep_outputs else None, confirmed)
     return SimResult(
         schedule_name=schedule.name,
         num_ranks=n_rk,

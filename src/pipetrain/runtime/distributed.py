@@ -50,6 +50,9 @@ class _DistComm:
     def take(self, handle: RecvHandle) -> Any:
         return self.transport.wait(handle)
 
+    def confirm(self, keys: list[tuple[str, int, int]]) -> None:
+        self.transport.waiter.confirm(keys)
+
     def poll(self) -> None:
         waiter = self.transport.waiter
         waiter.release_sent()

@@ -52,6 +52,13 @@ class Comm(Protocol):
     def ready(self, handle: RecvHandle) -> bool: ...
     def take(self, handle: RecvHandle) -> Any: ...
     def poll(self) -> None: ...
+    def confirm(self, keys: list[tuple[str, int, int]]) -> None: ...
+
+
+def _message_key(send: Action) -> tuple[str, int, int]:
+    """The transport's key of the message a SEND action posts."""
+    assert send.microbatch is not None
+    return ("F" if send.kind is _K.SEND_F else "B", send.stage, send.microbatch)
 
 
 @dataclass
@@ -183,8 +190,11 @@ class RankExecutor:
                 yield from self._wait_inputs(action)
             else:
                 self._receive_inputs(action)  # waits end before the compute's clock starts
-                # Sends completed by now free their buffers before this action allocates: a step
-                # holds a sent message until it is delivered, as the memory model counts it.
+                # Sends surely delivered by now free their buffers before this action allocates,
+                # as the memory model counts them (plan.delivery).
+                sure = program.confirms.get(pos)
+                if sure is not None:
+                    self.comm.confirm([_message_key(a) for a in sure])
                 self.comm.poll()
             t0 = clock()
             # (UNSHARD, RESHARD and REDUCE_GRAD keep host times)
@@ -212,10 +222,8 @@ class RankExecutor:
         for pos, action in self.program.sends:
             if pos < self.pos or action.microbatch is None:
                 continue
-            if action.kind is _K.SEND_F:
-                out.append((("F", action.stage, action.microbatch), self.stage_to_rank[action.stage + 1]))
-            else:
-                out.append((("B", action.stage, action.microbatch), self.stage_to_rank[action.stage - 1]))
+            peer = self.stage_to_rank[action.stage + 1 if action.kind is _K.SEND_F else action.stage - 1]
+            out.append((_message_key(action), peer))
         return out
 
     def _receive_inputs(self, action: Action) -> None:

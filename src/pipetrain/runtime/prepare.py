@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from pipetrain.errors import PipelineError
-from pipetrain.plan import Schedule, ScheduleError
+from pipetrain.plan import Action, Schedule, ScheduleError
+from pipetrain.plan.delivery import confirmed_sends
 from pipetrain.plan.lower import forwards_only
 from pipetrain.plan.passes.early_recv import post_receives_early
 from pipetrain.plan.program import RankProgram, compile_program
@@ -144,12 +145,15 @@ class Prepared:
         self.recv_ahead = recv_ahead
         self.agreed = False  # whether the ranks have checked they run the same schedule
         self._programs: dict[int, RankProgram] = {}
+        self._confirmed: dict[int, dict[Action, list[Action]]] | None = None
 
     def program(self, rank: int) -> RankProgram:
         """``rank``'s compiled program (compiled once)."""
         program = self._programs.get(rank)
         if program is None:
-            program = self._programs[rank] = compile_program(self.schedule, rank)
+            if self._confirmed is None:
+                self._confirmed = confirmed_sends(self.schedule)
+            program = self._programs[rank] = compile_program(self.schedule, rank, self._confirmed)
         return program
 
     def forwards(self, lower_options: dict[str, Any]) -> Prepared:

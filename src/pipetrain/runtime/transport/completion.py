@@ -35,7 +35,8 @@ def _describe(what: Any) -> str:
 
 
 class _OnDevice:
-    """A send's buffers with its operations on the device: dropped once those completed."""
+    """A send's buffers with its operations on the device: dropped once those completed (on a
+    GPU, a completed operation no longer reads its buffer, so the allocator may reuse it)."""
 
     __slots__ = ("keep", "works")
 
@@ -126,7 +127,9 @@ class Waiter:
         self._limit = timedelta(seconds=timeout)
         self._bg: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._finished: deque[_Job] = deque()
-        self._outstanding: deque[tuple[list[Any], str, Any, Callable[[], None] | None]] = deque()
+        # Sends posted this step (None once confirmed), and where each message's is.
+        self._outstanding: list[tuple[list[Any], str, Any, Callable[[], None] | None] | None] = []
+        self._pending: dict[Any, int] = {}
         self._device: list[Any] = []  # sends of device data, completed on the stream at drain()
         self.watch = False  # receives waited on by the helper thread, watching the failure channel
         threading.Thread(target=_serve, args=(self._bg, self._finished), daemon=True, name="pipetrain-sends").start()
@@ -201,34 +204,45 @@ class Waiter:
         on_done: Callable[[], None] | None,
         what: Any,
         device_works: list[Any] | None = None,
+        key: Any = None,
     ) -> None:
-        """Remember a posted send; :meth:`drain` waits for all of them at the end of the step.
+        """Remember a posted send; :meth:`drain` waits for those not confirmed at the end of the step.
 
         ``what`` names it in errors: a string, or ``(what, peer)`` of a send (named only when needed).
         ``device_works`` complete on the stream (:meth:`wait_stream`); ``keep`` (the sent buffers)
-        is held until then, so their memory is not reused before the send read it.
+        is held until then, so their memory is not reused before the send read it. ``key``: the
+        message's, for :meth:`confirm`.
         """
-        if works and not self.watch:
-            # The helper thread waits for the host operations as they go and then drops their
-            # buffers: a step holds a sent message until it is delivered, not until the step
-            # ends (the memory model counts it so, :mod:`pipetrain.plan.memory`). A failure it
-            # finds is raised at the next action (run_callbacks) or at drain. (While it watches
-            # receives, a first step's, a send it waits on could keep it from a receive: those
-            # steps hold their sends until drain.)
-            # Its waits are its own (gloo completes a send for one wait): drain waits behind them.
-            self._bg.put(_Job(works, _describe(what), keep))
-            works, keep = [], None
         if device_works:
             self._device.extend(device_works)
-            self._outstanding.append((works, what, _OnDevice(keep, device_works), on_done))
-        else:
-            self._outstanding.append((works, what, keep, on_done))
+            keep = _OnDevice(keep, device_works)
+        if key is not None:
+            self._pending[key] = len(self._outstanding)
+        self._outstanding.append((works, what, keep, on_done))
+
+    def confirm(self, keys: list[Any]) -> None:
+        """Wait for the sends of ``keys``, known to be delivered (their receiver answered after
+        posting the receives: :mod:`pipetrain.plan.delivery`), so the wait is immediate; drop
+        their buffers now instead of at the step's end. Sends of device data are left to
+        :meth:`release_sent` and the stream (a host wait would block on the device)."""
+        out = self._outstanding
+        for key in keys:
+            index = self._pending.pop(key, None)
+            if index is None:
+                continue
+            job = out[index]
+            if job is None or isinstance(job[2], _OnDevice):
+                continue
+            works, what, _, on_done = job
+            out[index] = None
+            self.wait(works, what)
+            if on_done is not None:
+                on_done()
 
     def release_sent(self) -> None:
-        """Drop the buffers of sends whose device operations completed (a non-blocking check):
-        host operations are waited for by the helper thread, which drops theirs itself."""
+        """Drop the buffers of sends whose device operations completed (a non-blocking check)."""
         for job in self._outstanding:
-            keep = job[2]
+            keep = None if job is None else job[2]
             if isinstance(keep, _OnDevice) and keep.keep is not None and all(_completed(w) for w in keep.works):
                 keep.keep = None
 
@@ -246,9 +260,10 @@ class Waiter:
         if self._device:
             device, self._device = self._device, []
             self.wait_stream(device, "sends of the step")
-        if self._outstanding:
-            jobs = list(self._outstanding)
-            self._outstanding.clear()
+        self._pending.clear()
+        jobs = [job for job in self._outstanding if job is not None]
+        self._outstanding.clear()
+        if jobs:
             works = [w for job in jobs for w in job[0]]
             what = ", ".join(_describe(job[1]) for job in jobs[:3])
             what += f" and {len(jobs) - 3} more" if len(jobs) > 3 else ""
@@ -283,8 +298,9 @@ class Waiter:
         send's buffer only weakly, and once it is gone a receive the peer posts later leaves the
         connection stuck on it, its I/O thread spinning (measured: 80 % of a core).
         """
-        _NOTICES.extend(self._outstanding)
+        _NOTICES.extend(job for job in self._outstanding if job is not None)
         _NOTICES.extend(self._device)
         self._outstanding.clear()
+        self._pending.clear()
         self._device = []
         self._bg.put(None)

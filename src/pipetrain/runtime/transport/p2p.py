@@ -183,12 +183,12 @@ class DistTransport:
         """
         ops: list[Op] = []
         ctrl: list[Op] = []
-        sends: list[tuple[int, int, int, int, SendItem, list[torch.Tensor]]] = []
+        sends: list[tuple[int, int, int, int, SendItem, list[torch.Tensor], bool]] = []
         for item in items:
             if isinstance(item, SendItem):
                 start, cstart = len(ops), len(ctrl)
                 keep = self._sender.ops(item, ops, ctrl)
-                sends.append((start, len(ops), cstart, len(ctrl), item, keep))
+                sends.append((start, len(ops), cstart, len(ctrl), item, keep, self._sender.last_steady))
         handles: list[RecvHandle] = []
         part: list[RecvHandle] = []
         peers: set[int] = set()
@@ -206,15 +206,15 @@ class DistTransport:
             peers.add(item.peer)
         launched = self._flush(ops, ctrl, part)
         data_works, ctrl_works = launched if works is None else works
-        for start, end, cstart, cend, send, keep in sends:
+        for start, end, cstart, cend, send, keep, steady in sends:
+            key = send.key if steady else None  # (only a steady message is sure once its RECV is posted)
             if self.stream_waits:  # device data completes on the stream; control on the host
                 self.waiter.background(
-                    ctrl_works[cstart:cend], keep, None, (send.what, send.peer), data_works[start:end]
+                    ctrl_works[cstart:cend], keep, None, (send.what, send.peer), data_works[start:end], key
                 )
             else:
-                self.waiter.background(
-                    data_works[start:end] + ctrl_works[cstart:cend], keep, None, (send.what, send.peer)
-                )
+                host = data_works[start:end] + ctrl_works[cstart:cend]
+                self.waiter.background(host, keep, None, (send.what, send.peer), None, key)
             if send.on_done is not None:
                 send.on_done()  # the data was copied into the message
         return handles

@@ -48,6 +48,10 @@ class Sender:
         self.tag_new = tag_new
         self.sent: dict[Key, Layout] = {}
         self._sig: dict[Key, Any] = {}  # _signature of the last plain message sent per key
+        # Whether the last message built was one operation of a layout its receiver knows: its
+        # RECV's post then posts all it needs (a new layout's follow-ups wait for the receiver
+        # to read the notice), which plan.delivery's confirmations rely on.
+        self.last_steady = False
 
     def ops(self, item: SendItem, ops: list[Op], ctrl: list[Op]) -> list[torch.Tensor]:
         """Append ``item``'s operations to ``ops`` (data) and ``ctrl`` (control plane); the
@@ -68,6 +72,7 @@ class Sender:
             self._sig.pop(item.key, None)
         if old is not None and _same(old, layout):
             return self._steady(item, layout, tensors, ops, ctrl)
+        self.last_steady = False
         # The receiver posted a message of the remembered size: fill it with a notice giving the
         # sizes of the two follow-ups (the new layout, then the packed tensors). With the control
         # plane the notice's words and the layout go there instead; the data plane carries the
@@ -94,6 +99,7 @@ class Sender:
         self, item: SendItem, layout: Layout, tensors: list[torch.Tensor], ops: list[Op], ctrl: list[Op]
     ) -> list[torch.Tensor]:
         """A message whose layout the receiver knows: one data operation (and a header on the control plane)."""
+        self.last_steady = True
         if not self.control:
             flat = _pack(_SAME, 0, 0, layout, tensors, self.device)
             ops.append((True, flat, item.peer, _TAG_STEADY))

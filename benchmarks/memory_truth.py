@@ -1,0 +1,161 @@
+"""What a step holds beside what the plan promises, per schedule and rank (issue 28's table).
+
+Each stage is four Linear(64, 64) + Tanh on microbatches of 256 rows, 8 microbatches, so saved
+activations dominate. Per schedule: each rank's measured peak bytes of its second step
+(:func:`pipetrain.memory.measure_step`: glibc's allocator on the CPU, every thread;
+``max_memory_allocated`` on a GPU) beside ``simulate(runtime.schedule, costs)``'s peak, costs
+measured by :func:`pipetrain.memory.stage_bytes`. ``return_outputs=False`` unless
+``--return-outputs``.
+
+    python benchmarks/memory_truth.py                 # 2 gloo ranks on the CPU
+    python benchmarks/memory_truth.py --device cuda   # one GPU: one rank holding every stage (NCCL
+                                                      # across ranks with --ranks 2 and 2 GPUs)
+
+Exits 1 when a rank's measured peak exceeds its promise by more than three messages (one action's
+temporaries), so ``gpu_check.py`` can run it as a check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+ROWS, WIDTH, MICROBATCHES = 256, 64, 8
+SCHEDULES = [
+    ("GPipe", 1),
+    ("1F1B", 1),
+    ("ZBH1", 1),
+    ("ZBH2", 1),
+    ("Interleaved1F1B", 2),
+    ("LoopedBFS", 2),
+    ("InterleavedZeroBubble", 2),
+    ("ZBVZeroBubble", 2),
+    ("DualPipeV", 2),
+    ("auto", 2),
+]
+
+
+def _stage() -> nn.Module:
+    return nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(WIDTH, WIDTH), nn.Tanh())])
+
+
+def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((out - target) ** 2).mean()
+
+
+def _one(rank: int, world: int, name: str, v: int, device: torch.device, keep: bool) -> tuple[int, float, float]:
+    """(measured, promised, two messages) for this rank under schedule ``name``."""
+    from pipetrain import PipelineScheduleRuntime, PipelineStage
+    from pipetrain.memory import measure_step, stage_bytes
+    from pipetrain.plan import Costs, auto_schedule, build_schedule, simulate
+
+    torch.manual_seed(0)
+    num_stages = world * v
+    modules = [_stage().to(device) for _ in range(num_stages)]
+    if name == "auto":  # under a tight limit: 1F1B's activations on a rank's share
+        costs = Costs.per_rank(f=1, b=2, activation_bytes=1.0).cut_into(v)
+        plan = auto_schedule(world, MICROBATCHES, costs, memory_limit=float(world), stages_per_rank=v, time_limit=2)
+    else:
+        plan = build_schedule(name, num_ranks=world, num_microbatches=MICROBATCHES, stages_per_rank=v)
+    stages = [PipelineStage(modules[s], s, num_stages, device) for s in plan.stages_of(rank)]
+    runtime = PipelineScheduleRuntime(stages, plan, loss_fn=_mse)
+    x = torch.randn(MICROBATCHES * ROWS, WIDTH, device=device)
+    y = torch.randn(MICROBATCHES * ROWS, WIDTH, device=device)
+    measured = 0
+    for _ in range(2):
+        kwargs: dict[str, Any] = {"return_outputs": keep}
+        if plan.stage_to_rank[num_stages - 1] == rank:
+            kwargs.update(target=y, losses=[])
+        if world > 1:
+            dist.barrier()
+        measured = measure_step(runtime, *((x,) if plan.stage_to_rank[0] == rank else ()), **kwargs).peak_bytes
+    example = torch.randn(ROWS, WIDTH, device=device)
+    sizes = [stage_bytes(m, example, device=device) for m in modules[:-1]]
+    sizes.append(stage_bytes(modules[-1], example, loss_fn=_mse, target=y[:ROWS], device=device))
+    keys = ("activation_bytes", "weight_grad_bytes", "message_bytes")
+    costs = Costs(f=1, b=2, comm=0.05, **{k: [s[k] for s in sizes] for k in keys})
+    promised = simulate(runtime.schedule, costs, keep_outputs=keep).peak_memory_bytes
+    assert promised is not None
+    return measured, promised[rank], 3.0 * max(s["message_bytes"] for s in sizes)
+
+
+def _rank(rank: int, world: int, port: int, device_type: str, keep: bool, results: Any) -> None:
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=300)
+    )
+    rows = [(name, *_one(rank, world, name, v, device, keep)) for name, v in SCHEDULES]
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, rows)
+    if rank == 0:
+        results.put(gathered)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure(device_type: str = "cpu", world: int = 2, keep: bool = False) -> list[list[tuple[str, int, float, float]]]:
+    """Per rank, per schedule: (name, measured, promised, tolerance) bytes."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results: Any = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, world, port, device_type, keep, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    rows: list[list[tuple[str, int, float, float]]] = results.get()
+    for p in procs:
+        p.join()
+    return rows
+
+
+def report(rows: list[list[tuple[str, int, float, float]]]) -> tuple[str, bool]:
+    """A markdown table (KB, measured / promised per rank) and whether every rank kept its promise."""
+    world = len(rows)
+    head = "| schedule | " + " | ".join(f"rank {r} measured / promised" for r in range(world)) + " |"
+    lines = [head, "|---|" + "---:|" * world]
+    ok = True
+    for k, (name, *_) in enumerate(rows[0]):
+        cells = []
+        for r in range(world):
+            _, measured, promised, tolerance = rows[r][k]
+            within = measured <= promised + tolerance
+            ok = ok and within
+            mark = "" if within else " **over**"
+            cells.append(f"{measured / 1e3:.0f} / {promised / 1e3:.0f} KB ({measured / promised:.2f}){mark}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines), ok
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--ranks", type=int, default=None, help="default: 2 on the CPU, 1 on a GPU")
+    parser.add_argument("--return-outputs", action="store_true")
+    args = parser.parse_args()
+    world = args.ranks or (2 if args.device == "cpu" else 1)
+    if args.device == "cuda" and torch.cuda.device_count() < world:
+        print(f"needs {world} GPUs, {torch.cuda.device_count()} visible", file=sys.stderr)
+        return 2
+    table, ok = report(measure(args.device, world, args.return_outputs))
+    print(table)
+    print("every rank within its promise + three messages" if ok else "a rank exceeded its promise")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
