@@ -8,7 +8,9 @@ non-pipelined training. With two or more GPUs, also: every schedule on 2 ranks o
 (gradients, zero counted host reads after the first step, no synchronisation in steady state,
 sequence lengths changing between steps). Then ``benchmarks/runtime_vs_torch.py --device cuda``
 beside torch.distributed.pipelining: on 2 NCCL ranks, or with one GPU on one rank holding every
-stage. Exits 0 when every check passed, 1 when one failed, 2 when there is no GPU to check.
+stage; and ``benchmarks/memory_truth.py --device cuda``: each rank's ``max_memory_allocated`` over
+a step beside the plan's promised peak, for every schedule. Exits 0 when every check passed, 1
+when one failed, 2 when there is no GPU to check.
 
     python benchmarks/gpu_check.py [--steps 20] [--schedules GPipe,1F1B] [--skip-bench]
 
@@ -412,6 +414,14 @@ def main() -> int:
         except Exception as err:
             print(f"\n{world} ranks over {transport}: FAILED\n{err}")
             ok = False
+    if device.type == "cuda":
+        # Memory truth (issue 28): each rank's max_memory_allocated over a step beside simulate's promise.
+        ranks = "2" if gpus >= 2 else "1"
+        print(f"\nbenchmarks/memory_truth.py --device cuda --ranks {ranks} (measured / promised peak bytes):")
+        sys.stdout.flush()
+        truth = Path(__file__).with_name("memory_truth.py")
+        done = subprocess.run([sys.executable, str(truth), "--device", "cuda", "--ranks", ranks], check=False)
+        ok = ok and done.returncode == 0
     if not opts.skip_bench and device.type == "cuda":
         ranks = "2" if gpus >= 2 else "1"  # one GPU: one process holds every stage, in both libraries
         bench = Path(__file__).with_name("runtime_vs_torch.py")
