@@ -127,8 +127,8 @@ def agree_stages(
     prefix = f"pipetrain/{failure.namespace}/stages/{round_}/"
     try:
         failure.store.set(f"{prefix}{rank}", json.dumps({str(s): cut.to_dict() for s, cut in cuts.items()}))
-        posted = True
-    except Exception:  # a store without set (a fake backend's): nothing to compare with
+        posted = bool(failure.store.check([f"{prefix}{rank}"]))
+    except Exception:  # a store without set/check (a fake backend's): nothing to compare with, as in agree()
         posted = False
     yield
     if not posted or failure.generation != round_:  # agree() compared nothing (a store that cannot hold keys)
