@@ -146,6 +146,14 @@ def test_train_schedule_auto_plans_once_shares_and_trains(tmp_path: Path) -> Non
     assert plan["memory_limit"] == 600e3 and set(plan["peak_memory_bytes"]) == {"0", "1"}
     assert plan["recompute"] and max(plan["peak_memory_bytes"].values()) <= 600e3
     assert plan["makespan"] > 0 and len(plan["layers"]) == 4
+    # One step's measured peak on each rank beside the plan's promise (issue 28: measured beside planned).
+    memory = summary["memory"]
+    assert memory["step"] == 2 and set(memory["ranks"]) == {"0", "1"}
+    for rank, entry in memory["ranks"].items():
+        assert entry["measured_peak_bytes"] > 0 and entry["promised_total_bytes"] == plan["peak_memory_bytes"][rank]
+        assert 0 < entry["promised_peak_bytes"] < entry["promised_total_bytes"]
+    assert "memory of step 2 (above its start): rank 0 measured" in run.stdout
+    assert "| rank | measured in the step | promised in the step |" in (out / "summary.md").read_text()
     # The schedule the ranks trained is the plan's, kept for --schedule FILE.
     kept = Schedule.load(summary["schedule_file"])
     kept.validate()
@@ -157,12 +165,18 @@ def test_profile_writes_costs_and_layers_that_plan_reads(tmp_path: Path) -> None
     costs, layers = tmp_path / "measured.txt", tmp_path / "layers.json"
     run = subprocess.run(
         [sys.executable, "-m", "pipetrain", "profile", "--model", "tiny", "--microbatches", "4", "--batch-size", "8",
-         "--costs-out", str(costs), "--layers-out", str(layers), "--out", str(tmp_path / "out")],
+         "--costs-out", str(costs), "--layers-out", str(layers), "--out", str(tmp_path / "out"), "--json"],
         cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
-    assert f"measured 3 steps of ZBVZeroBubble: wrote {costs}" in run.stdout
-    assert f"profiled 4 layers on microbatches of 2 sequences: wrote {layers}" in run.stdout
+    # --json: the summary alone on stdout, everything else on stderr.
+    summary = json.loads(run.stdout)
+    assert f"measured 3 steps of ZBVZeroBubble: wrote {costs}" in run.stderr
+    assert f"profiled 4 layers on microbatches of 2 sequences: wrote {layers}" in run.stderr
+    # The named schedule's memory: measured beside the simulation of ZB-V on its cut with the layer costs.
+    assert summary["schedule"] == "ZBVZeroBubble" and "plan" not in summary
+    for entry in summary["memory"]["ranks"].values():
+        assert entry["measured_peak_bytes"] > 0 and entry["promised_peak_bytes"] > 0
     measured = Costs.parse(costs.read_text())
     assert isinstance(measured.f, tuple) and len(measured.f) == 4 and min(measured.f) > 0
     profile = read_layers(layers)

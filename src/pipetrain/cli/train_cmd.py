@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib.util
 import os
@@ -132,6 +133,12 @@ def _add_run_arguments(train: Any, steps: int = _DEFAULTS["steps"]) -> None:
         help="clip the gradients to this norm of the whole model, taken across the pipeline's ranks (e.g. 1.0)",
     )
     train.add_argument(
+        "--json",
+        action="store_true",
+        help="print the run's summary (summary.json: losses, the plan, each rank's measured and promised memory) "
+        "as JSON on stdout; progress goes to stderr",
+    )
+    train.add_argument(
         "--checkpoint-dir",
         metavar="DIR",
         default=None,
@@ -147,6 +154,13 @@ def _add_run_arguments(train: Any, steps: int = _DEFAULTS["steps"]) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
+    if args.json:  # stdout carries only the summary, which the reporting rank prints
+        with contextlib.redirect_stdout(sys.stderr):
+            return _run(args)
+    return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     # torch loads only here, so the planning commands stay torch-free.
     from pipetrain.cli.common import require
 
@@ -225,6 +239,7 @@ def _train(args: argparse.Namespace) -> int:
         layers_out=args.layers_out,
         plan_time_limit=5.0 if args.plan_time_limit is None else args.plan_time_limit,
         memory_limit=None if args.memory_limit is None else parse_memory_limit(args.memory_limit),
+        json=args.json,
     )
     if args.costs_out is not None and args.steps < 2:
         raise PipelineError("profile needs --steps 2 at least (the last step is not among the measured ones)")

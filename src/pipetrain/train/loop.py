@@ -9,9 +9,11 @@ pipelining to compare losses.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -30,6 +32,7 @@ from pipetrain.plan.timeline import TimelineEvent
 from pipetrain.train.auto import PROFILE_STEPS, LayerPlan, is_auto, write_profile
 from pipetrain.train.data import TextData
 from pipetrain.train.launch import DistEnv, init_process_group
+from pipetrain.train.layout import MemoryCheck, layout
 from pipetrain.train.model import GPT, MODEL_SIZES, GPTConfig, lm_loss
 from pipetrain.train.progress import StepReporter
 
@@ -75,6 +78,7 @@ class TrainConfig:
     layers_out: str | None = None  # `pipetrain profile`: write the layer profile (the planner's layers file) there
     plan_time_limit: float = 5.0  # --schedule auto: seconds rank 0 spends planning
     memory_limit: float | None = None  # --schedule auto: bytes per rank (None: the machine's memory per rank)
+    json: bool = False  # print the summary as JSON on stdout (everything else goes to stderr)
 
     @property
     def model_config(self) -> GPTConfig:
@@ -107,6 +111,7 @@ class TrainResult:
     files: list[str] = field(default_factory=list)
     plan_summary: str | None = None  # --schedule auto: the line that says what was planned
     plan: dict[str, Any] | None = None  # --schedule auto: the plan (cut, recompute, schedule, simulated step, peaks)
+    memory: dict[str, Any] | None = None  # one step's measured peak bytes per rank, beside the simulated ones
 
 
 def load_data(cfg: TrainConfig) -> TextData:
@@ -144,6 +149,9 @@ def run_rank(env: DistEnv, cfg: TrainConfig) -> TrainResult | None:
     """One rank's whole run: join the group, train, report. Returns the result on the reporting rank."""
     device = init_process_group(env, cfg.device, cfg.timeout_s)
     try:
+        if cfg.json:  # stdout carries only the summary
+            with contextlib.redirect_stdout(sys.stderr):
+                return _train(env, cfg, device)
         return _train(env, cfg, device)
     finally:
         dist.destroy_process_group()
@@ -153,7 +161,8 @@ def _train(env: DistEnv, cfg: TrainConfig, device: torch.device) -> TrainResult 
     import pipetrain  # the runtime names load lazily
 
     data = load_data(cfg)
-    schedule, mcfg, parts, layer_plan = _layout(env, cfg, device, data)
+    lay = layout(env, cfg, device, data)
+    schedule, mcfg, parts = lay.schedule, lay.model_config, lay.parts
     num_stages = schedule.num_stages
     last_stage = num_stages - 1
     mine = [s for s in range(num_stages) if schedule.stage_to_rank[s] == env.rank]
@@ -167,7 +176,8 @@ def _train(env: DistEnv, cfg: TrainConfig, device: torch.device) -> TrainResult 
 
     reporting = last_stage in mine
     has_first = 0 in mine
-    result = _announce(cfg, mcfg, num_stages, layer_plan, resumed, start) if reporting else None
+    result = _announce(cfg, mcfg, num_stages, lay.plan, resumed, start) if reporting else None
+    memory = MemoryCheck(lay, start, cfg.steps, device, params)
     kill_at = _kill_step(env.rank)
     reporter = (
         StepReporter(
@@ -196,7 +206,8 @@ def _train(env: DistEnv, cfg: TrainConfig, device: torch.device) -> TrainResult 
             sched.device_timing = profiling or step == cfg.steps - 1
             t0 = time.perf_counter()
             origin = t0
-            sched.step(*args, **kwargs)
+            with memory.around(step, sched):
+                sched.step(*args, **kwargs)
             norm = pipetrain.clip_grad_norm_(params, cfg.clip_grad_norm) if cfg.clip_grad_norm is not None else None
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -210,6 +221,7 @@ def _train(env: DistEnv, cfg: TrainConfig, device: torch.device) -> TrainResult 
                 reporter.update(step, loss, tokens / dt)
             if profiling:
                 _profiled(_gather_timeline(sched, env, origin), profile, schedule, cfg)
+            memory.after(step, result)
             if ckpt is not None and ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps):
                 _save(ckpt, step + 1, stages, optimizer, result, schedule.stage_to_rank[last_stage], cfg)
         measured = _gather_timeline(sched, env, origin)
@@ -251,11 +263,18 @@ def _conclude(
             f"held-out loss {result.eval_loss:.4f}",
             flush=True,
         )
+        if result.memory is not None:
+            from pipetrain.train.layout import memory_line
+
+            print(memory_line(result.memory), flush=True)
         if cfg.out:
             from pipetrain.train.outputs import write_outputs
 
             result.files = write_outputs(Path(cfg.out), schedule, measured, result, cfg, tokens)
             _report_outputs(Path(cfg.out), result.files)
+            if cfg.json and sys.__stdout__ is not None:
+                sys.__stdout__.write((Path(cfg.out) / "summary.json").read_text(encoding="utf-8"))
+                sys.__stdout__.flush()
         if cfg.check:
             result.reference_grad_norms = []
             result.reference = reference_losses(
@@ -381,106 +400,6 @@ def _profiled(measured: Any, profile: list[Any], schedule: Schedule, cfg: TrainC
         profile.append(measured)
     if len(profile) == min(PROFILE_STEPS, cfg.steps - 1) and cfg.costs_out is not None:
         write_profile(cfg.costs_out, schedule, profile)
-
-
-def _layout(
-    env: DistEnv, cfg: TrainConfig, device: torch.device, data: TextData
-) -> tuple[Schedule, GPTConfig, list[nn.Module], LayerPlan | None]:
-    """The schedule, the model's sizes and every stage's module (and, under ``--schedule auto``, the plan)."""
-    if is_auto(cfg.schedule):
-        layer_plan, mcfg, parts = _auto_layout(env, cfg, device, data)
-        return layer_plan.schedule, mcfg, parts, layer_plan
-    schedule = plan_for(cfg, env.world_size)
-    mcfg = cfg.model_config_for(schedule.num_stages)
-    torch.manual_seed(cfg.seed)
-    model = GPT(mcfg)
-    if cfg.layers_out is not None:
-        _write_layers(env, cfg, model, data, device)
-    return schedule, mcfg, list(model.split(schedule.num_stages)), None
-
-
-def _auto_layout(
-    env: DistEnv, cfg: TrainConfig, device: torch.device, data: TextData
-) -> tuple[LayerPlan, GPTConfig, list[nn.Module]]:
-    """``--schedule auto``: rank 0 profiles the model's layers and plans; every rank gets the plan and
-    cuts its model by it. Returns the plan, the model's sizes and every stage's module."""
-    from pipetrain.train.auto import build_stages, machine_memory_per_rank, plan_layers, share_plan
-
-    mcfg = cfg.auto_model_config(env.world_size)
-    torch.manual_seed(cfg.seed)
-    model = GPT(mcfg)
-    layers, latency, error = _layer_profile(env, cfg, model, data, device)
-    plan: LayerPlan | str | None = None
-    if env.rank == 0:
-        if error is not None:
-            plan = error
-        else:
-            if cfg.memory_limit is not None:
-                limit, source = cfg.memory_limit, "--memory-limit"
-            else:
-                limit, source = machine_memory_per_rank(device)
-            stages = 2 * env.world_size  # the named schedule to compare with: ZB-V on the default (even) cut
-            even = _cut_names(model, model.split(stages)) if len(model) >= stages else None
-            try:
-                plan = plan_layers(
-                    layers,
-                    env.world_size,
-                    cfg.microbatches,
-                    limit,
-                    source,
-                    stages_per_rank=cfg.stages_per_rank,
-                    comm=latency,
-                    time_limit=cfg.plan_time_limit,
-                    baseline=("ZBVZeroBubble", even) if even is not None else None,
-                )
-            except (ScheduleError, PipelineError, ValueError) as err:
-                plan = str(err)
-    shared = share_plan(plan)
-    model.to("cpu")
-    return shared, mcfg, build_stages(model, shared)
-
-
-def _cut_names(model: GPT, parts: list[nn.Sequential]) -> list[list[str]]:
-    names = model.layer_names()
-    out = []
-    k = 0
-    for part in parts:
-        out.append(names[k : k + len(part)])
-        k += len(part)
-    return out
-
-
-def _layer_profile(
-    env: DistEnv, cfg: TrainConfig, model: GPT, data: TextData, device: torch.device
-) -> tuple[list[Any], float, str | None]:
-    """Rank 0's per-layer profile of ``model`` on one microbatch of the training data, and the
-    message latency between ranks 0 and 1 for a block's output (a collective). On other ranks no
-    layers. The error, if profiling failed, as text (rank 0 tells every rank)."""
-    from pipetrain.train.auto import measure_latency, profile_model
-
-    rows = -(-cfg.batch_size // cfg.microbatches)
-    x, y = data.batch(0, rows, model.cfg.seq_len, seed=cfg.seed)
-    latency = measure_latency(rows * model.cfg.seq_len * model.cfg.d_model * 4, device)
-    if env.rank != 0:
-        return [], latency, None
-    try:
-        model.to(device)
-        return profile_model(model, x.to(device), y.to(device), lm_loss), latency, None
-    except (ScheduleError, PipelineError, ValueError, RuntimeError) as err:
-        return [], latency, f"profiling the layers failed: {err}"
-
-
-def _write_layers(env: DistEnv, cfg: TrainConfig, model: GPT, data: TextData, device: torch.device) -> None:
-    """``pipetrain profile --layers-out FILE``: rank 0 writes the model's layer profile (a collective)."""
-    from pipetrain.train.auto import write_layers
-
-    assert cfg.layers_out is not None
-    layers, latency, error = _layer_profile(env, cfg, model, data, device)
-    if env.rank == 0:
-        model.to("cpu")
-        if error is not None:
-            raise PipelineError(error)
-        write_layers(cfg.layers_out, layers, cfg, latency)
 
 
 def _make_schedule(pipetrain: Any, cfg: TrainConfig, schedule: Schedule, stages: list[Any]) -> Any:

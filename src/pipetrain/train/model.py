@@ -15,12 +15,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from pipetrain.split import partition_balanced, split_sequential
+from pipetrain.split import partition_balanced, split_by_names, split_sequential
 
 __all__ = ["CUTS", "GPT", "MODEL_SIZES", "Block", "Embedding", "GPTConfig", "Head", "even_cut", "lm_loss"]
 
@@ -174,16 +175,17 @@ class GPT(nn.Sequential):
         return split_sequential(self, num_stages, by=by, sample_input=sample)
 
     def stages_of(self, sizes: list[int]) -> list[nn.Sequential]:
-        """Consecutive stages of ``sizes`` layers each, named as in this model."""
+        """Consecutive stages of ``sizes`` layers each, named as in this model (built by
+        :func:`~pipetrain.split.split_by_names`, so the runtime checks that the ranks cut alike)."""
         if sum(sizes) != len(self) or min(sizes, default=0) < 1:
             raise ValueError(f"stage sizes {sizes} do not cut the {len(self)} layers into non-empty stages")
-        named = list(self.named_children())
-        stages = []
+        names = self.layer_names()
+        cut = []
         start = 0
         for size in sizes:
-            stages.append(nn.Sequential(OrderedDict(named[start : start + size])))
+            cut.append(names[start : start + size])
             start += size
-        return stages
+        return [cast(nn.Sequential, stage) for stage in split_by_names(self, cut)]
 
 
 def _init_weights(module: nn.Module) -> None:

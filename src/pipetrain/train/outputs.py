@@ -96,6 +96,9 @@ def write_outputs(
     plan = getattr(result, "plan", None)
     if plan:
         summary["plan"] = plan
+    memory = getattr(result, "memory", None)
+    if memory:
+        summary["memory"] = memory
     # The schedule the last step trained with (JSON keeps its name): `--schedule FILE` trains it again.
     schedule.to_json(out / "schedule.json")
     written.append(out / "schedule.json")
@@ -172,6 +175,31 @@ def _plan_md(plan: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _memory_md(memory: dict[str, Any]) -> list[str]:
+    """Each rank's measured peak of one step beside the simulation's."""
+    lines = [
+        f"Memory of step {memory['step']}, measured ({memory['measure']}) beside the simulation's promise "
+        "(the schedule that ran, on the layer profile's costs of its cut):",
+        "",
+        "| rank | measured in the step | promised in the step | promised peak | of which static |",
+        "|---|---|---|---|---|",
+    ]
+    for rank, e in sorted(memory["ranks"].items(), key=lambda kv: int(kv[0])):
+        measured = e.get("measured_peak_bytes")
+        cells = [_bytes(measured) if measured is not None else "not measured"]
+        for key in ("promised_peak_bytes", "promised_total_bytes", "static_bytes"):
+            cells.append(_bytes(e[key]) if e.get(key) is not None else "-")
+        lines.append(f"| {rank} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Measured: bytes allocated during the step above those held when it began (weights and Adam's state "
+        "were held already; gradients are allocated in the step). Promised in the step: the simulated peak "
+        "less the static bytes (weights, gradients, Adam's state) plus the gradients.",
+        "",
+    ]
+    return lines
+
+
 def _summary_md(s: dict[str, Any]) -> str:
     lines = [
         f"# pipetrain train: {s['schedule']}",
@@ -188,6 +216,8 @@ def _summary_md(s: dict[str, Any]) -> str:
         lines += [f"Planned by `--schedule auto`: {s['auto']}", ""]
     if s.get("plan"):
         lines += _plan_md(s["plan"])
+    if s.get("memory"):
+        lines += _memory_md(s["memory"])
     if s.get("schedule_file"):
         lines += [f"The last step's schedule: `pipetrain train --schedule {s['schedule_file']}` runs it again.", ""]
     if "measured_step_s" in s:
