@@ -14,6 +14,7 @@ from typing import Any
 import torch.distributed.pipelining.schedules as ts
 
 from pipetrain.plan import Action, ActionKind, Schedule
+from pipetrain.plan.actions import parse_torch_wait
 
 # Classes with one stage per rank, and those with exactly two in a V (stage r and 2p-1-r on rank r);
 # every other multi-stage class places stage k*p + r on rank r (looped).
@@ -86,18 +87,19 @@ def to_pipetrain(torch_schedule: Any, *, with_comms: bool = False, repair_1f1b: 
 
     Compute-only by default: torch's ``pipeline_order`` less its non-compute actions (the
     REDUCE_GRAD of single-stage schedules). ``with_comms`` reads ``pipeline_order_with_comms``
-    whole (SEND/RECV, UNSHARD/RESHARD, REDUCE_GRAD). Idle steps are dropped; the number of
-    microbatches is inferred from the actions, so an order naming a microbatch beyond torch's count
-    loads and fails ``validate()``. ``repair_1f1b`` fixes 1F1B's off-by-one last rank (see
+    whole (SEND/RECV, UNSHARD/RESHARD, REDUCE_GRAD) less torch 2.15's waits. Idle steps are
+    dropped; the number of microbatches is inferred from the actions, so an order naming a
+    microbatch beyond torch's count loads and fails ``validate()``. ``repair_1f1b`` fixes 1F1B's off-by-one last rank (see
     ``_repair_1f1b_last_rank``) to compare with the order torch runs rather than the one it prints.
     """
     order = torch_schedule.pipeline_order_with_comms if with_comms else torch_schedule.pipeline_order
     rows: dict[int, list[Action]] = {}
     for rank, program in order.items():
-        # compute-only: torch's own test first, so kinds pipetrain lacks (torch 2.15's
-        # WAIT_REDUCE_GRAD in single-stage orders) are left out, not parsed
-        kept = (a for a in program if a is not None and (with_comms or a.is_compute_op))
-        rows[rank] = [a for a in (Action.parse(str(a)) for a in kept) if a is not None]
+        # compute-only: torch's own test first, so the REDUCE_GRAD (and torch 2.15's
+        # WAIT_REDUCE_GRAD) of single-stage orders are left out, not parsed; with comms, torch
+        # 2.15's waits are dropped as Schedule.from_csv drops them
+        cells = (str(a) for a in program if a is not None and (with_comms or a.is_compute_op))
+        rows[rank] = [a for a in (Action.parse(c) for c in cells if parse_torch_wait(c) is None) if a is not None]
     if repair_1f1b and isinstance(torch_schedule, ts.Schedule1F1B):
         _repair_1f1b_last_rank(rows, torch_schedule._n_microbatches)
     return Schedule(rows, name=f"torch {type(torch_schedule).__name__.removeprefix('Schedule')}")

@@ -74,6 +74,99 @@ def test_csv_idle_cells_are_none() -> None:
     s.validate()
 
 
+# ------------------------------------------------------------------ torch 2.15's waits
+# torch 2.15.0's own dump of ScheduleZBVZeroBubble on 2 ranks, 2 microbatches, `_dump_csv(path,
+# format="compute_comms")`: its lowered files hold WAIT_SEND_F, WAIT_SEND_B and WAIT_REDUCE_GRAD.
+TORCH_215_ZBV = (
+    "0UNSHARD,3UNSHARD,0F0,0SEND_F0,0F1,0SEND_F1,3RECV_F0,3F0,3I0,3SEND_B0,3RECV_F1,3W0,3F1,3I1,3SEND_B1,"
+    "0RECV_B0,3W1,3REDUCE_GRAD,3WAIT_REDUCE_GRAD,3RESHARD,0I0,0WAIT_SEND_F0,0W0,0RECV_B1,0I1,0WAIT_SEND_F1,0W1,"
+    "0REDUCE_GRAD,0WAIT_REDUCE_GRAD,0RESHARD,3WAIT_SEND_B0,3WAIT_SEND_B1\r\n"
+    "1UNSHARD,2UNSHARD,1RECV_F0,1F0,1RECV_F1,2F0,2SEND_F0,1F1,2RECV_B0,2F1,2SEND_F1,2I0,2WAIT_SEND_F0,2W0,"
+    "2RECV_B1,1I0,1SEND_B0,1W0,2I1,2WAIT_SEND_F1,2W1,2REDUCE_GRAD,2WAIT_REDUCE_GRAD,2RESHARD,1I1,1SEND_B1,1W1,"
+    "1REDUCE_GRAD,1WAIT_REDUCE_GRAD,1RESHARD,1WAIT_SEND_B0,1WAIT_SEND_B1\r\n"
+)
+
+
+def test_torch_215_waits_are_read_and_dropped_keeping_the_order(tmp_path: Path) -> None:
+    s = Schedule.from_csv_text(TORCH_215_ZBV)
+    for rank, row in enumerate(TORCH_215_ZBV.splitlines()):
+        assert [str(a) for a in s.actions[rank]] == [cell for cell in row.split(",") if "WAIT_" not in cell]
+    assert (s.num_ranks, s.num_stages, s.num_microbatches) == (2, 4, 2)
+    assert s.stage_to_rank == {0: 0, 1: 1, 2: 1, 3: 0}
+    assert s.is_lowered
+    s.validate()
+    path = tmp_path / "zbv.csv"
+    path.write_text(TORCH_215_ZBV, newline="")
+    assert Schedule.load(path) == s == Schedule.from_csv(path)
+    # Written without waits, it is torch 2.13's file of the same order.
+    assert Schedule.from_csv_text(s.to_csv_text()) == s
+    assert "WAIT_" not in s.to_csv_text()
+
+
+def test_torch_waits_are_written_where_torch_places_them(tmp_path: Path) -> None:
+    s = Schedule.from_csv_text(TORCH_215_ZBV)
+    assert s.to_csv_text(torch_waits=True) == TORCH_215_ZBV
+    path = tmp_path / "waits.csv"
+    s.to_csv(path, torch_waits=True)
+    assert path.read_bytes() == TORCH_215_ZBV.encode()
+    assert Schedule.from_csv(path) == s
+
+
+def test_torch_waits_rule_on_pipetrains_lowering() -> None:
+    # 1F1B on 2 ranks: rank 0's forward sends are awaited after its backward of the same
+    # microbatch, rank 1's backward sends at the end of its row, each reduction at once.
+    s = build_schedule("1F1B", 2, 2).lower(grad_reduce=True)
+    rows = s.to_csv_text(torch_waits=True).splitlines()
+    assert rows == [
+        "0F0,0SEND_F0,0F1,0SEND_F1,0RECV_B0,0B0,0WAIT_SEND_F0,0RECV_B1,0B1,0WAIT_SEND_F1,0REDUCE_GRAD,0WAIT_REDUCE_GRAD",
+        "1RECV_F0,1F0,1RECV_F1,1B0,1SEND_B0,1F1,1B1,1SEND_B1,1REDUCE_GRAD,1WAIT_REDUCE_GRAD,1WAIT_SEND_B0,1WAIT_SEND_B1",
+    ]
+    # A compute-only schedule has nothing to wait for, and keeps its idle cells.
+    idle = Schedule.from_csv_text("0F0,,0B0\n,1F0,1B0\n")
+    assert idle.to_csv_text(torch_waits=True) == idle.to_csv_text()
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: f"{s.name}-{'low' if s.is_lowered else 'compute'}")
+def test_csv_round_trip_with_torch_waits(schedule: Schedule) -> None:
+    text = schedule.to_csv_text(torch_waits=True)
+    assert ("WAIT_SEND_" in text) == any(a is not None and a.kind.is_comm for a in schedule.iter_actions())
+    back = Schedule.from_csv_text(text)
+    assert back == schedule
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("0F0,0WAIT_F0\n", "rank 0, step 1: cannot parse action '0WAIT_F0': torch's waits are written"),
+        ("0F0,0SEND_F0,0WAIT_SEND_F\n", "step 2: cannot parse action '0WAIT_SEND_F': WAIT_SEND_F needs a microbatch"),
+        ("0REDUCE_GRAD,0WAIT_REDUCE_GRAD0\n", "'0WAIT_REDUCE_GRAD0': WAIT_REDUCE_GRAD takes no microbatch"),
+        ("0F0,0SEND_F0x,0WAIT_SEND_F0\n", "rank 0, step 1: cannot parse action '0SEND_F0x'"),
+        ("0F0,0WAIT_SEND_F0x\n", "cannot parse action '0WAIT_SEND_F0x'"),
+        (
+            "0F0,0WAIT_SEND_F0,0SEND_F0\n",
+            "rank 0, step 1: 0WAIT_SEND_F0 waits for 0SEND_F0, but rank 0 has no 0SEND_F0",
+        ),
+        ("0F0,0SEND_F0,0WAIT_SEND_F0,0WAIT_SEND_F0\n", "rank 0, step 3: 0WAIT_SEND_F0 waits for 0SEND_F0"),
+        ("0F0,0SEND_F0,0WAIT_SEND_B0\n", "0WAIT_SEND_B0 waits for 0SEND_B0, but rank 0 has no 0SEND_B0"),
+        ("0F0,0SEND_F0\n1RECV_F0,1F0,0WAIT_SEND_F0\n", "rank 1, step 2: 0WAIT_SEND_F0 waits for 0SEND_F0"),
+        ("0F0,0B0,1WAIT_REDUCE_GRAD\n", "1WAIT_REDUCE_GRAD waits for 1REDUCE_GRAD, but rank 0 has no 1REDUCE_GRAD"),
+    ],
+)
+def test_malformed_torch_waits_are_refused(text: str, expected: str) -> None:
+    with pytest.raises(ScheduleError) as info:
+        Schedule.from_csv_text(text)
+    assert expected in str(info.value)
+
+
+def test_waits_are_no_actions_outside_csv_files() -> None:
+    with pytest.raises(ScheduleError, match=r"torch 2\.15's waits are not pipetrain actions"):
+        Action.parse("0WAIT_SEND_F3")
+    doc = {**build_schedule("GPipe", 2, 2).lower().to_dict()}
+    doc["actions"] = {**doc["actions"], "0": [*doc["actions"]["0"], "0WAIT_SEND_F0"]}
+    with pytest.raises(ScheduleError, match=r"rank 0, step 8: cannot parse action '0WAIT_SEND_F0': torch 2\.15's"):
+        Schedule.from_dict(doc)
+
+
 def test_format_grid_lists_every_action() -> None:
     s = build_schedule("GPipe", 2, 3)
     lines = s.format().splitlines()
@@ -127,6 +220,7 @@ CELL_TOKENS = [
     "0F0", "1F0", "0B0", "1B0", "0I0", "0W0", "1I1", "1W1", "0F1", "1F1", "0B1", "1B1", "2F0", "0F7",
     "0SEND_F0", "1RECV_F0", "1SEND_B0", "0RECV_B0", "0UNSHARD", "0RESHARD", "1REDUCE_GRAD",
     "(0F1;1B0)OVERLAP_F_B", "", "", "x", '"', "0F", "9F9", "(", ")OVERLAP_F_B", "0F0abc", "\n", ",",
+    "0WAIT_SEND_F0", "1WAIT_SEND_B0", "1WAIT_REDUCE_GRAD", "0WAIT_F0", "WAIT_",
 ]  # fmt: skip
 
 
@@ -153,6 +247,10 @@ def test_csv_fuzz_raises_only_schedule_error(text: str) -> None:
     if not schedule.is_lowered:
         schedule.lower().validate()
     assert Schedule.from_csv_text(schedule.to_csv_text()).actions.keys() == schedule.actions.keys()
+    waits = Schedule.from_csv_text(schedule.to_csv_text(torch_waits=True))
+    assert {r: [a for a in p if a] for r, p in waits.actions.items()} == {
+        r: [a for a in p if a] for r, p in schedule.actions.items()
+    }
 
 
 @settings(max_examples=200, deadline=None)

@@ -3,6 +3,11 @@
 ``2F0`` is stage 2's forward of microbatch 0, ``1SEND_F3`` sends stage 1's forward output of
 microbatch 3, ``0UNSHARD`` gathers stage 0's parameters, ``(0F7;7B3)OVERLAP_F_B`` issues two
 compute actions together (DualPipe's overlapped forward and backward).
+
+torch 2.15's lowered CSV files also hold waits (``0WAIT_SEND_F3``, ``1WAIT_REDUCE_GRAD``): the
+point where a rank completes an earlier send or gradient reduction. They are not actions here
+(pipetrain's runtime completes its sends and reductions itself): :func:`parse_torch_wait` and
+:func:`torch_wait` read and write them for the CSV files, which drop and place them.
 """
 
 from __future__ import annotations
@@ -194,6 +199,11 @@ class Action(_ActionFields):
             return Action.overlap(*parts)
         match = _SIMPLE_RE.fullmatch(s)
         if match is None:
+            if _WAIT in s and _WAIT_RE.fullmatch(s):
+                raise ScheduleError(
+                    f"cannot parse action {s!r}: torch 2.15's waits are not pipetrain actions; "
+                    "a lowered CSV file may hold them (Schedule.from_csv drops them)"
+                )
             raise ScheduleError(
                 f"cannot parse action {_abridged(text)}: expected <stage><kind><microbatch> such as 2F0, 3I5, 1SEND_F3 "
                 f"or 0UNSHARD, with kind one of {', '.join(k.value for k in ActionKind)}"
@@ -209,6 +219,43 @@ class Action(_ActionFields):
             raise ScheduleError(
                 f"cannot parse action {_abridged(s)}: its stage or microbatch number is too long"
             ) from None
+
+
+_WAIT = "WAIT_"
+_WAIT_RE = re.compile(r"([0-9]+)WAIT_(SEND_F|SEND_B|REDUCE_GRAD)([0-9]*)")
+_WAIT_FORMS = "<stage>WAIT_SEND_F<microbatch>, <stage>WAIT_SEND_B<microbatch> or <stage>WAIT_REDUCE_GRAD"
+_AWAITED = frozenset({ActionKind.SEND_F, ActionKind.SEND_B, ActionKind.REDUCE_GRAD})
+
+
+def parse_torch_wait(text: str) -> Action | None:
+    """The action that a torch 2.15 wait cell waits for (``0WAIT_SEND_F3``: ``0SEND_F3``,
+    ``1WAIT_REDUCE_GRAD``: ``1REDUCE_GRAD``); None for a cell that is no wait (holds no "WAIT_").
+
+    Strict like :meth:`Action.parse`: a malformed wait (``0WAIT_F3``, ``0WAIT_SEND_F``,
+    ``1WAIT_REDUCE_GRAD2``) raises :class:`ScheduleError`.
+    """
+    if _WAIT not in text:
+        return None
+    s = text.strip()
+    match = _WAIT_RE.fullmatch(s)
+    if match is None:
+        raise ScheduleError(f"cannot parse action {_abridged(text)}: torch's waits are written {_WAIT_FORMS}")
+    stage_text, kind_text, mb_text = match.groups()
+    kind = ActionKind(kind_text)
+    if kind.needs_microbatch != bool(mb_text):
+        needs = "needs a microbatch" if kind.needs_microbatch else "takes no microbatch"
+        raise ScheduleError(f"cannot parse action {s!r}: {_WAIT}{kind.value} {needs}; torch's waits are {_WAIT_FORMS}")
+    try:
+        return Action(int(stage_text), kind, int(mb_text) if mb_text else None)
+    except ValueError:  # a number of thousands of digits (see Action.parse)
+        raise ScheduleError(f"cannot parse action {_abridged(s)}: its stage or microbatch number is too long") from None
+
+
+def torch_wait(action: Action) -> str:
+    """torch 2.15's wait cell for a SEND_F, SEND_B or REDUCE_GRAD action (``0SEND_F3``: ``0WAIT_SEND_F3``)."""
+    if action.kind not in _AWAITED:
+        raise ScheduleError(f"torch has no wait for {action}: only SEND_F, SEND_B and REDUCE_GRAD are awaited")
+    return f"{action.stage}{_WAIT}{action.kind.value}{'' if action.microbatch is None else action.microbatch}"
 
 
 def _abridged(text: str, limit: int = 40) -> str:

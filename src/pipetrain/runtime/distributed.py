@@ -25,7 +25,7 @@ from pipetrain.runtime.failures import (
     failure_channel,
     refuse,
 )
-from pipetrain.runtime.prepare import Prepared, prepare_for, read_torch_csv, recv_window
+from pipetrain.runtime.prepare import Prepared, prepare_for, read_torch_csv, recv_window, torch_csv_has_waits
 from pipetrain.runtime.sharing import rank0_order
 from pipetrain.runtime.transport.completion import Waiter
 from pipetrain.runtime.transport.p2p import DistTransport
@@ -223,11 +223,16 @@ class PipelineScheduleRuntime(StepDriver):
         """Write this runtime's schedule in torch's CSV format (torch's method of the same name).
 
         ``compute_comms`` writes the lowered schedule without the gloo-only early receives, so
-        the file runs on any backend (loading it on gloo moves them again).
+        the file runs on any backend (loading it on gloo moves them again), in the format of the
+        installed torch: with torch 2.15's waits (WAIT_SEND_F, WAIT_SEND_B, WAIT_REDUCE_GRAD) from
+        torch 2.15 on, without them before. pipetrain reads both.
         """
         if format not in ("compute_only", "compute_comms"):
             raise ValueError(f"format must be 'compute_only' or 'compute_comms', got {format!r}")
-        (self._planned if format == "compute_only" else self._prepared.base).to_csv(filename)
+        if format == "compute_only":
+            self._planned.to_csv(filename)
+        else:
+            self._prepared.base.to_csv(filename, torch_waits=torch_csv_has_waits())
 
     # -------------------------------------------------------------- set-up
     def _rank_and_world(self) -> tuple[int, int]:

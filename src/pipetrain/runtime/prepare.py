@@ -9,6 +9,7 @@ lowered schedule: ``pipeline_order_with_comms`` shows exactly what runs.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,6 +33,7 @@ __all__ = [
     "read_torch_csv",
     "recv_window",
     "require_autograd",
+    "torch_csv_has_waits",
 ]
 
 # How many receives may be posted ahead of their place by default: each holds a buffer the size of
@@ -63,7 +65,9 @@ def recv_window(value: int | None) -> int:
 def read_torch_csv(filename: str, format: str, n_microbatches: int, where: str = "") -> Schedule:
     """A schedule file for ``_load_csv``: torch's CSV ``format`` ("compute_only" or
     "compute_comms", which must match whether it holds SEND/RECV), of ``n_microbatches``.
-    ``where`` prefixes the errors (the rank)."""
+    ``where`` prefixes the errors (the rank). A lowered file may come from torch 2.13 or from torch
+    2.15, whose waits (WAIT_SEND_F, WAIT_SEND_B, WAIT_REDUCE_GRAD) are dropped: the runtime
+    completes its sends and reductions itself."""
     if format not in ("compute_only", "compute_comms"):
         raise ValueError(f"format must be 'compute_only' or 'compute_comms', got {format!r}")
     try:
@@ -82,6 +86,17 @@ def read_torch_csv(filename: str, format: str, n_microbatches: int, where: str =
             f"but this schedule was built for n_microbatches={n_microbatches}"
         )
     return schedule
+
+
+def torch_csv_has_waits(version: str | None = None) -> bool:
+    """Whether torch ``version`` (default: the one installed) writes WAIT_SEND_F, WAIT_SEND_B and
+    WAIT_REDUCE_GRAD in its lowered ("compute_comms") CSV files and refuses lowered files without
+    them: torch 2.15 and later (its pre-releases included); torch 2.13 cannot read them."""
+    text = str(torch.__version__ if version is None else version)
+    match = re.match(r"([0-9]+)\.([0-9]+)", text)
+    if match is None:
+        raise PipelineError(f"cannot read the torch version {text!r}")
+    return (int(match[1]), int(match[2])) >= (2, 15)
 
 
 def prepare_schedule(schedule: Schedule, matching: str | None = None, **lower_options: Any) -> Schedule:
