@@ -120,13 +120,13 @@ def test_latency_breaks_the_named_schedules_assumptions() -> None:
 
 def test_returns_within_its_time_limit_at_scale() -> None:
     started = time.perf_counter()
-    schedule = auto_schedule(32, 64, Costs(f=1, b=2, comm=0.1), 64.0, stages_per_rank=2, time_limit=2.0)
+    schedule = auto_schedule(32, 64, Costs.per_rank(f=1, b=2, comm=0.1), 64.0, stages_per_rank=2, time_limit=2.0)
     assert time.perf_counter() - started < 2.0 + 1.5  # one list-scheduling run may end past it
     assert schedule.num_stages == 64
 
 
 def test_bad_arguments_are_named() -> None:
-    costs = Costs(f=1, b=2)
+    costs = Costs.per_rank(f=1, b=2)
     with pytest.raises(ScheduleError, match="placement must be 'loop' or 'v'"):
         auto_schedule(4, 8, costs, placement="zigzag")
     with pytest.raises(ScheduleError, match="placement 'v' needs 2 stages per rank, got 1"):
@@ -135,7 +135,7 @@ def test_bad_arguments_are_named() -> None:
         with pytest.raises(ScheduleError, match=r"time_limit \(seconds\) must be a finite number > 0"):
             auto_schedule(4, 8, costs, time_limit=bad)
     with pytest.raises(ScheduleError, match=r"one microbatch alone needs 2 on some rank \(1 stage\(s\) per rank"):
-        auto_schedule(4, 8, Costs(f=1, b=2, activation_bytes=2.0), memory_limit=1.0, stages_per_rank=1)
+        auto_schedule(4, 8, Costs.per_rank(f=1, b=2, activation_bytes=2.0), memory_limit=1.0, stages_per_rank=1)
     for ranks, microbatches, label in (
         (0, 8, "num_ranks"),
         (-1, 8, "num_ranks"),
@@ -157,7 +157,7 @@ def test_bad_arguments_are_named() -> None:
 
 def test_a_placement_alone_means_two_stages_per_rank() -> None:
     """placement="v" or "loop" without stages_per_rank plans 2 stages per rank in that layout."""
-    costs = Costs(f=1, b=2)
+    costs = Costs.per_rank(f=1, b=2)
     v = auto_schedule(4, 8, costs, placement="v", time_limit=0.3)
     assert v.num_stages == 8 and v.stage_to_rank[7] == 0
     loop = auto_schedule(4, 8, costs, placement="loop", time_limit=0.3)
@@ -169,7 +169,7 @@ def test_numbers_of_other_numeric_types_and_one_name_are_taken() -> None:
     names is one name, not its letters."""
     from fractions import Fraction
 
-    costs = Costs(f=1, b=2)
+    costs = Costs.per_rank(f=1, b=2)
     plan = plan_schedule(4, 8, costs, Fraction(8), stages_per_rank=1, names="1F1B", time_limit=0.3)
     assert plan.best_named is not None and plan.best_named.name == "1F1B"
     assert plan.memory <= 8
@@ -181,7 +181,7 @@ def test_time_left_after_the_search_finishes_the_named_schedules(monkeypatch: py
     still never slower than the best named schedule (ZB-H2 here, latency 0.3)."""
     import pipetrain.plan.search as search
 
-    costs = Costs(f=1, b=2, comm=0.3)
+    costs = Costs.per_rank(f=1, b=2, comm=0.3)
     best = search.rank_schedules(4, 32, costs)[0]
     assert best.name == "ZBH2"
     monkeypatch.setattr(search, "_NAMED_SHARE", 1e-9)

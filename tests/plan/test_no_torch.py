@@ -34,7 +34,7 @@ def test_import_plan_without_torch() -> None:
         s.validate(); s.lower().validate()
         r = plan.simulate(s, plan.Costs(f=1, b=2))
         assert r.makespan > 0
-        plan.auto_schedule(4, 8, plan.Costs(f=1, b=2), memory_limit=4)
+        plan.auto_schedule(4, 8, plan.Costs.per_rank(f=1, b=2), memory_limit=4)
         assert "LocalPipeline" in dir(pipetrain)  # listed without importing it
         assert issubclass(plan.ScheduleError, pipetrain.PipelineError)
         assert "torch" not in sys.modules

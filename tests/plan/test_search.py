@@ -14,7 +14,7 @@ from pipetrain.plan.search import rank_schedules
 
 @pytest.mark.parametrize(("p", "m"), [(2, 4), (4, 8), (4, 6), (8, 32)])
 def test_auto_is_no_slower_than_any_fitting_named_schedule(p: int, m: int) -> None:
-    costs = Costs(f=1, b=2, comm=0.25)
+    costs = Costs.per_rank(f=1, b=2, comm=0.25)
     limit = float(p)
     ranked = rank_schedules(p, m, costs, limit)
     best = auto_schedule(p, m, costs, limit, time_limit=1.0)
@@ -31,14 +31,14 @@ def test_auto_is_no_slower_than_any_fitting_named_schedule(p: int, m: int) -> No
 
 
 def test_split_backward_beats_1f1b_at_the_same_memory() -> None:
-    costs = Costs(f=1, i=1, w=1)
+    costs = Costs.per_rank(f=1, i=1, w=1)
     best = rank_schedules(4, 16, costs, memory_limit=4)[0]
     assert best.fits and best.name != "1F1B"
     assert best.result.makespan < simulate(build_schedule("1F1B", 4, 16), costs).makespan
 
 
 def test_memory_limit_is_respected_and_reported() -> None:
-    costs = Costs(f=1, b=2)
+    costs = Costs.per_rank(f=1, b=2)
     for limit in (4.0, 6.0, 100.0):
         for cand in rank_schedules(4, 12, costs, limit):
             assert cand.fits == (cand.memory <= limit + 1e-9)
@@ -59,7 +59,7 @@ def test_per_stage_costs_fix_the_number_of_stages() -> None:
 
 
 def test_bytes_limit_when_activation_bytes_given() -> None:
-    costs = Costs(f=1, b=2, activation_bytes=100.0)
+    costs = Costs.per_rank(f=1, b=2, activation_bytes=100.0)
     for cand in rank_schedules(2, 4, costs, memory_limit=250.0):
         assert cand.result.peak_memory_bytes is not None
         assert cand.memory == max(cand.result.peak_memory_bytes.values())
@@ -102,7 +102,7 @@ def test_cli_plan_infeasible_is_one_line(capsys: pytest.CaptureFixture[str]) -> 
 
 
 def test_cut_into_divides_a_ranks_share_and_keeps_per_stage_measurements() -> None:
-    share = Costs(f=2, b=4, comm=0.5, activation_bytes=100.0).cut_into(2)
+    share = Costs.per_rank(f=2, b=4, comm=0.5, activation_bytes=100.0).cut_into(2)
     assert (share.f, share.b, share.i, share.w, share.comm, share.activation_bytes) == (1, 2, 1, 1, 0.5, 50)
     measured = Costs(f=[1, 2, 2, 1], b=4)
     assert measured.cut_into(2) is measured  # per-stage measurements: the stages as they are
@@ -133,7 +133,7 @@ def test_cli_plan_from_profile_constructs_where_no_named_schedule_fits(
 
 def test_simulating_a_plan_with_its_costs_cut_into_stages_reproduces_its_memory() -> None:
     """auto_schedule's plain costs are one rank's share; simulate's are per stage: cut_into bridges them."""
-    costs = Costs(f=1, b=2, i=1, w=1, comm=0.1, activation_bytes=1000)
+    costs = Costs.per_rank(f=1, b=2, i=1, w=1, comm=0.1, activation_bytes=1000)
     best = auto_schedule(4, 8, costs, memory_limit=5000, time_limit=1)
     v = best.num_stages / best.num_ranks
     assert v > 1  # (the case where the units differ)

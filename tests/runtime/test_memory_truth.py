@@ -159,6 +159,7 @@ def _split_orders(rank: int, world: int) -> float:
     x, y = torch.randn(4 * ROWS, WIDTH), torch.randn(4 * ROWS, WIDTH)
     _mse(plain(x), y).backward()
     plan = build_schedule("1F1B" if rank == 0 else "GPipe", num_ranks=world, num_microbatches=4)
+    plan.planned = True  # as auto_schedule marks what it returns
     runtime = PipelineScheduleRuntime(
         PipelineStage(modules[rank], rank, world, torch.device("cpu")), plan, loss_fn=_mse
     )

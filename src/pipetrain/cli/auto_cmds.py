@@ -162,7 +162,7 @@ def _plan_costs(args: argparse.Namespace) -> int:
         if costs.activation_bytes is None and v > 1
         else ""
     )
-    if stage_costs != costs:
+    if not costs.fixes_stages and v != 1:
         print(f"with {v} stages per rank each stage costs {stage_costs}" + (f"; {activations}" if activations else ""))
     elif activations:
         print(f"with {v} stages per rank {activations}")
@@ -174,4 +174,4 @@ def _plan_costs(args: argparse.Namespace) -> int:
 
 
 def _read_costs(args: argparse.Namespace) -> Costs:
-    return Costs.parse(args.costs) if args.from_profile is None else read_costs_file(args.from_profile)
+    return Costs.parse(args.costs, share="rank") if args.from_profile is None else read_costs_file(args.from_profile)

@@ -154,6 +154,6 @@ def read_costs_file(path: str) -> Costs:
             "write it with `pipetrain profile --costs-out FILE` or `pipetrain train --out DIR`"
         )
     try:
-        return Costs.parse(text)
+        return Costs.parse(text, share="rank")
     except ScheduleError as exc:
         raise ScheduleError(f"{flag} {path}: {exc}") from None

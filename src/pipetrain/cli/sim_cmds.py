@@ -82,7 +82,7 @@ def register(subparsers: Any) -> None:
 def _costs(args: argparse.Namespace) -> Costs:
     if args.from_profile is not None:
         return read_costs_file(args.from_profile)
-    return Costs.parse(args.costs) if args.costs else Costs()
+    return Costs.parse(args.costs, share="rank") if args.costs else Costs(share="rank")
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -142,7 +142,7 @@ def _write_pictures(result: SimResult, pictures: list[tuple[str, str]], trace: s
 def _describe(r: SimResult, given: Costs) -> str:
     costs = (
         f"costs: {r.costs}"
-        if given == r.costs
+        if given.cut_into(1) == r.costs
         else f"costs: {given} for one rank's share of the model, so each of its {r.num_stages // r.num_ranks} "
         f"stages takes {r.costs}"
     )
@@ -231,7 +231,7 @@ def _compare(args: argparse.Namespace) -> int:
         return 0
     print(
         f"{args.ranks} ranks, {args.microbatches} microbatches, costs {costs} "
-        + ("per stage" if costs.cut_into(2) is costs else "per rank's share of the model")
+        + ("per stage" if costs.fixes_stages else "per rank's share of the model")
         + (f", {args.stages_per_rank} stages per rank" if args.stages_per_rank else "")
     )
     print(format_compare_table(rows))

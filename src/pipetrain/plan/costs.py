@@ -212,6 +212,29 @@ class Costs:
             share="stage",
         )
 
+    def as_rank_share(self, stages_per_rank: int) -> Costs:
+        """Plain per-stage costs as the share of a rank holding ``stages_per_rank`` such stages
+        (the inverse of :meth:`cut_into`); costs already a rank's share, or fixing their stages
+        with sequences, stay as they are."""
+        if self.share == "rank" or self.fixes_stages:
+            return self
+
+        def whole(value: PerStage | None) -> PerStage | None:
+            return value * stages_per_rank if isinstance(value, float) else value
+
+        return replace(
+            self,
+            f=whole(self.f) or 0.0,
+            b=whole(self.b),
+            i=whole(self.i),
+            w=whole(self.w),
+            activation_bytes=whole(self.activation_bytes),
+            weight_grad_bytes=whole(self.weight_grad_bytes),
+            static_bytes=whole(self.static_bytes),
+            transient_bytes=whole(self.transient_bytes),
+            share="rank",
+        )
+
     def for_schedule(self, schedule: Schedule) -> Costs:
         """These costs per stage of ``schedule``: unchanged for per-stage costs; a rank's share is
         cut into the stages each rank holds (V when every rank holds V, else one: stages spread
@@ -258,8 +281,9 @@ class Costs:
 
     # ---------------------------------------------------------- text form
     @classmethod
-    def parse(cls, text: str) -> Costs:
-        """Read ``f=1,b=2,i=1,w=1,comm=0``; per-stage values separate with ``:`` (``f=2:1:1:2``)."""
+    def parse(cls, text: str, share: str = "stage") -> Costs:
+        """Read ``f=1,b=2,i=1,w=1,comm=0``; per-stage values separate with ``:`` (``f=2:1:1:2``).
+        ``share``: what plain numbers describe (the command line's are a rank's share)."""
         known = {f.name for f in fields(cls)} - {"share"}
         aliases = {
             "bytes": "activation_bytes",
@@ -287,7 +311,7 @@ class Costs:
             if len(values) > 1 and key not in _PER_STAGE:
                 raise ScheduleError(f"cost {key} takes one number, not per-stage values")
             kwargs[key] = values[0] if len(values) == 1 else tuple(values)
-        return cls(**kwargs)  # type: ignore[arg-type]
+        return cls(**kwargs, share=share)  # type: ignore[arg-type]
 
     def __str__(self) -> str:
         def show(v: PerStage | None) -> str:

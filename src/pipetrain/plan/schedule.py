@@ -123,7 +123,7 @@ class Schedule:
     complete, and the checkers' tables of that size would cost memory for nothing.
     """
 
-    __slots__ = ("_actions", "name", "num_microbatches", "num_ranks", "num_stages", "stage_to_rank")
+    __slots__ = ("_actions", "name", "num_microbatches", "num_ranks", "num_stages", "planned", "stage_to_rank")
 
     def __init__(
         self,
@@ -142,6 +142,9 @@ class Schedule:
         self._actions: dict[int, list[Action | None]] = {r: list(actions[r]) for r in ranks}
         self.num_ranks: int = len(ranks)
         self.name: str = name
+        # Made by a timed planner (auto_schedule, plan_pipeline): ranks that each planned may hold
+        # different orders of the same actions, so the runtime runs rank 0's (runtime.sharing).
+        self.planned: bool = False
 
         seen: dict[int, int] = {}
         max_stage = -1

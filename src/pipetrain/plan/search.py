@@ -4,10 +4,13 @@ Every registered training schedule is built at every number of stages per rank i
 (1-4), simulated under the given costs, and ranked: feasible ones (peak memory within the limit)
 by makespan, then by peak memory, then by the number of stages (fewer stages, fewer messages).
 
-Units. Per-stage cost *sequences* are measurements of an already cut model: they fix the number
-of stages (``len(f)`` must be a multiple of ``num_ranks``). A *scalar* cost is the time of one
-rank's share of the model for one microbatch; cut into ``v`` stages per rank, each stage takes
-1/v of it (and holds 1/v of the activation bytes). ``memory_limit`` is in bytes when
+Units (one meaning of :class:`Costs` everywhere). Per-stage cost *sequences* are measurements of
+an already cut model: they fix the number of stages (``len(f)`` must be a multiple of
+``num_ranks``). Plain numbers of ``Costs.per_rank(...)`` are one rank's share of the model for one
+microbatch; cut into ``v`` stages per rank, each stage takes 1/v of it (and holds 1/v of the
+activation bytes), which is how schedules with different stage counts compete on one model.
+Plain numbers of ``Costs(...)`` are one stage's, so they need ``stages_per_rank`` (or a
+placement: two stages per rank) to say how many stages a rank holds. ``memory_limit`` is in bytes when
 ``costs.activation_bytes`` is given, else in units of one microbatch's activations of one rank's
 whole share (1F1B's rank 0 holds ``num_ranks`` of them).
 """
@@ -62,13 +65,29 @@ class Candidate:
 
 def _fixed_stages(costs: Costs, num_ranks: int) -> int | None:
     # (Costs refuses per-stage values of different lengths when it is made.)
-    lengths = {len(v) for v in (costs.f, costs.b, costs.i, costs.w, costs.activation_bytes) if isinstance(v, Sequence)}
+    names = ("f", "b", "i", "w", "activation_bytes", "weight_grad_bytes", "message_bytes", "static_bytes")
+    values = [getattr(costs, name) for name in (*names, "transient_bytes")]
+    lengths = {len(v) for v in values if isinstance(v, Sequence)}
     if not lengths:
         return None
     (n,) = lengths
     if n % num_ranks:
         raise ScheduleError(f"per-stage costs give {n} stages, which {num_ranks} ranks cannot share evenly")
     return n // num_ranks
+
+
+def _rank_share(costs: Costs, stages_per_rank: int | None, placement: str | None, who: str) -> Costs:
+    """``costs`` as the planners read them inside: plain numbers a rank's share, sequences per stage."""
+    if costs.share == "rank" or costs.fixes_stages:
+        return costs
+    v = stages_per_rank or (2 if placement is not None else None)
+    if v is None:
+        raise ScheduleError(
+            f"{who}: Costs({costs}) gives one stage's costs but not how many stages a rank holds: pass "
+            f"stages_per_rank=, or give Costs.per_rank(...) (a rank's share of the model) to let {who} choose "
+            "how to cut it"
+        )
+    return costs.as_rank_share(v)
 
 
 def _count(label: str, value: object) -> int:
@@ -130,6 +149,7 @@ def rank_schedules(
     num_ranks, num_microbatches, memory_limit, stages_per_rank = _checked_sizes(
         num_ranks, num_microbatches, costs, memory_limit, stages_per_rank
     )
+    costs = _rank_share(costs, stages_per_rank, None, "rank_schedules")
     pairs = _pairs(num_ranks, costs, _name_list(names), stages_per_rank, deadline is not None)
     return _rank(num_ranks, num_microbatches, costs, memory_limit, pairs, deadline)[0]
 
@@ -212,10 +232,10 @@ def auto_schedule(
     two); ``names`` restricts the named schedules considered. Raises ScheduleError when nothing
     fits, naming the least memory a layout needs.
 
-    Plain-number costs (and ``activation_bytes``) are one rank's share of the model, as in the
-    CLI; :func:`~pipetrain.plan.simulate` takes them per stage, so
-    ``simulate(best, costs.cut_into(best.num_stages / num_ranks))`` reproduces the search's
-    makespan and memory (per-stage sequences are per stage in both).
+    ``costs`` mean what they mean everywhere: ``Costs.per_rank(...)`` a rank's share of the model
+    (the search cuts it into each layout's stages, as the CLI's ``--costs``), ``Costs(...)`` one
+    stage (then ``stages_per_rank`` or ``placement`` says how many a rank holds), sequences per
+    stage. ``simulate(best, costs)`` reproduces the search's makespan and memory.
 
     Time: the named schedules are simulated first (zero-bubble families and 1 or 2 stages per rank
     first) for up to 0.4 of ``time_limit``; those not reached then are simulated after the
@@ -224,10 +244,10 @@ def auto_schedule(
     one construction always runs, which can outlast a very short limit at scale (about 4 s at
     64 ranks x 256 microbatches).
     """
-    return plan_schedule(
+    schedule = plan_schedule(
         num_ranks,
         num_microbatches,
-        Costs() if costs is None else costs,
+        Costs.per_rank() if costs is None else costs,
         memory_limit,
         stages_per_rank=stages_per_rank,
         placement=placement,
@@ -235,6 +255,8 @@ def auto_schedule(
         names=names,
         seed=seed,
     ).schedule
+    schedule.planned = True
+    return schedule
 
 
 @dataclass(frozen=True)
@@ -269,6 +291,7 @@ def plan_schedule(
         num_ranks, num_microbatches, costs, memory_limit, stages_per_rank
     )
     listed = _name_list(names)
+    costs = _rank_share(costs, stages_per_rank, placement, "auto_schedule")
     fixed = _fixed_stages(costs, num_ranks)
     if placement is not None and fixed is None and stages_per_rank is None:
         stages_per_rank = 2  # (a placement is a layout of two stages per rank unless told otherwise)

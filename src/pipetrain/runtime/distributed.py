@@ -281,12 +281,13 @@ class PipelineScheduleRuntime(StepDriver):
         return self._executor.where() if hasattr(self, "_executor") else f"rank {self.rank}"
 
     def _settle_order(self, prepared: Prepared) -> Prepared:
-        """Before the first step, run rank 0's order where this rank planned another order of the
-        same actions (runtime.sharing: timed searches run on every rank may differ)."""
+        """Before the first step of a planner's schedule (``Schedule.planned``), run rank 0's order
+        where this rank planned another order of the same actions (runtime.sharing: timed searches
+        run on every rank may differ). Other schedules are compared by the agreement only."""
         if self._order_settled:
             return prepared
         self._order_settled = True
-        if prepared.agreed or DEAD_GROUPS.get(self._group_obj) is not None:
+        if not self._planned.planned or prepared.agreed or DEAD_GROUPS.get(self._group_obj) is not None:
             return prepared
         try:
             theirs = rank0_order(self._failure, self._planned, self.rank, self.timeout, self.poll_interval, self._where)

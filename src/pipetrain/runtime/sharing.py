@@ -3,8 +3,8 @@
 A program calls :func:`~pipetrain.plan.auto_schedule` (or plans a pipeline) on every rank, as it
 would call ``build_schedule``. Those searches are timed, so two ranks can find different orders
 of the same actions; each order alone is valid, but ranks running different ones would post
-messages that never match. Before a schedule's first step, rank 0 leaves its compute schedule in
-the store and every other rank reads it: where its own differs only in order (same ranks,
+messages that never match. Before the first step of a planner's schedule (``Schedule.planned``),
+rank 0 leaves its compute schedule in the store and every other rank reads it: where its own differs only in order (same ranks,
 stages, placement and microbatches: the stages each rank holds are the same), it runs rank 0's
 instead. Any valid order gives the same gradients, so this changes time and memory, never the
 result. Schedules that differ in layout are left to the agreement that follows, which refuses

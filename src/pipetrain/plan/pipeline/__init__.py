@@ -136,6 +136,7 @@ def plan_pipeline(
             peak = max((named.result.peak_memory_bytes or {0: 0.0}).values())
             best_named = NamedCandidate(named.named, named.layout.v, named.schedule, named.result, peak, True)
     stage_layers = [profile.names[a:b] for a, b in pairwise(best.cut)]
+    schedule.planned = True  # (a timed search: ranks that each plan run rank 0's order)
     return PipelinePlan(
         schedule=schedule,
         makespan=result.makespan,
