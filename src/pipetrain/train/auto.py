@@ -88,7 +88,8 @@ def profile_model(model: nn.Sequential, sample: torch.Tensor, target: torch.Tens
     ``sample`` (token ids); the last layer's costs include ``loss_fn(output, target)``. Seconds and bytes."""
     from pipetrain import profile_layers
 
-    layers: list[Any] = profile_layers(model, sample, loss_fn=loss_fn, target=target)
+    # Medians of 9 runs each (profile_layers' default is 5): on a busy machine the plan follows the profile.
+    layers: list[Any] = profile_layers(model, sample, loss_fn=loss_fn, target=target, repeats=9)
     return layers
 
 
