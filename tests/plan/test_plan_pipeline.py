@@ -142,6 +142,10 @@ def check_plan(plan: PipelinePlan, layers: list[LayerCost], limit: float | None)
         assert plan.costs.per_stage("f", n)[s] == pytest.approx(f)
         extra = f if s in plan.recompute else 0.0
         assert plan.costs.per_stage("i", n)[s] == pytest.approx(sum(x.i or 0.0 for x in group) + extra)
+        # (recompute rebuilds in W too, as pipetrain.split.recompute's default does; once in a full B)
+        assert plan.costs.per_stage("w", n)[s] == pytest.approx(sum(x.w or 0.0 for x in group) + extra)
+        b = sum((x.i or 0.0) + (x.w or 0.0) for x in group) + extra
+        assert plan.costs.per_stage("b", n)[s] == pytest.approx(b)
         assert plan.costs.per_stage("static_bytes", n)[s] == pytest.approx(sum(x.static_bytes for x in group))
         assert plan.costs.per_stage("message_bytes", n)[s] == pytest.approx(group[-1].output_bytes)
         act = sum(x.activation_bytes for x in group)

@@ -81,13 +81,17 @@ class StageValues:
 
     def costs(self, recompute: frozenset[int], comm: float) -> Costs:
         """The per-stage :class:`Costs` that :func:`~pipetrain.plan.simulate` takes for this cut:
-        a recomputed stage's I costs its F more, it holds only its input and rebuilds its
-        activations as a transient; message sizes are the stages' outputs."""
+        a recomputed stage rebuilds its activations once per backward pass, as
+        :func:`pipetrain.split.recompute` does by default (``weight_grads="recompute"``): B and I
+        each cost its F more, and so does W (it holds only its input until then); it rebuilds
+        its activations as a transient; message sizes are the stages' outputs."""
         n = len(self.f)
+        extra = [self.f[s] if s in recompute else 0.0 for s in range(n)]
         return Costs(
             f=list(self.f),
-            i=[self.i[s] + (self.f[s] if s in recompute else 0.0) for s in range(n)],
-            w=list(self.w),
+            b=[self.i[s] + self.w[s] + extra[s] for s in range(n)],
+            i=[self.i[s] + extra[s] for s in range(n)],
+            w=[self.w[s] + extra[s] for s in range(n)],
             comm=comm,
             activation_bytes=[self.held(s, recompute) for s in range(n)],
             message_bytes=list(self.msg),
