@@ -305,3 +305,101 @@ def test_torchtitan_pipeline_llm_runs_on_pipetrain() -> None:
         [(on_torch, on_pipetrain)] = [r["torch"][name] for r in reports if r["torch"][name][0]]
         assert len(on_torch) == N_MB
         torch.testing.assert_close(torch.tensor(on_pipetrain), torch.tensor(on_torch))
+
+
+def _planned_worker(rank: int, world: int) -> dict[str, Any]:
+    """plan_pipeline's cut, exported as torchtitan's module_fqns_per_model_part, through torchtitan's
+    own pipeline_llm (its _pipeline_module_split cuts the Llama by those names), its schedule loaded
+    by torchtitan's CSV route: the step equals the same model trained without pipelining."""
+    import torch.distributed as dist
+    import torchtitan.distributed.parallel_dims as titan_dims
+    import torchtitan.distributed.pipeline_parallel as titan_pp
+    from torchtitan.components.loss import CrossEntropyLoss
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.models.llama3 import parallelize_llama
+
+    from pipetrain.plan import LayerCost, plan_pipeline
+
+    titan_dims.device_type = "cpu"
+    parallel_dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=world, ep=1, world_size=world)
+    parallel_dims.build_mesh()
+    config = _tiny_llama3()
+    loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config())
+    _point_imports_at_pipetrain(titan_pp)
+    # A profile with a heavy head (as a large vocabulary makes it), planned once on rank 0 and shared.
+    kb = 1024.0
+    layers = [
+        LayerCost("tok_embeddings", f=0.05, b=0.1, activation_bytes=kb, output_bytes=kb, static_bytes=4e4),
+        LayerCost("layers.0", f=1.0, b=2.0, activation_bytes=8 * kb, output_bytes=kb, static_bytes=1e5),
+        LayerCost("layers.1", f=1.0, b=2.0, activation_bytes=8 * kb, output_bytes=kb, static_bytes=1e5),
+        LayerCost("norm", f=0.1, b=0.2, activation_bytes=kb, output_bytes=kb, static_bytes=1e3),
+        LayerCost("lm_head", f=2.3, b=4.6, activation_bytes=16 * kb, output_bytes=2 * kb, static_bytes=4e4),
+    ]
+    shared: list[Any] = [None]
+    if rank == 0:
+        plan = plan_pipeline(layers, world, N_MB, None, stages_per_rank=2, time_limit=1.0)
+        shared[0] = (plan.module_fqns_per_model_part(), plan.schedule.to_json(), plan.schedule.stage_to_rank)
+    dist.broadcast_object_list(shared, src=0)
+    fqns, schedule_json, stage_to_rank = shared[0]
+    v_placement = stage_to_rank[2 * world - 1] == 0
+    batch = _packed_batch([5, 8, 6, 9])
+    gvt = torch.tensor(sum(y.numel() for y in batch[2]))
+    torch.manual_seed(0)
+    model = config.build()
+    model.init_states()
+    ref_losses, ref_grads = _plain(model, loss_fn, batch, gvt)
+    from pipetrain.plan import Schedule
+
+    with tempfile.TemporaryDirectory() as dump:
+        csv = f"{dump}/planned.csv"
+        Schedule.from_json_text(schedule_json).to_csv(csv)
+        schedule, parts, first, last = titan_pp.pipeline_llm(
+            model,
+            parallel_dims=parallel_dims,
+            training=TrainingConfig(
+                local_batch_size=N_MB, mixed_precision_param="float32", mixed_precision_reduce="float32"
+            ),
+            parallelism=ParallelismConfig(
+                pipeline_parallel_degree=world,
+                module_fqns_per_model_part=fqns,
+                pipeline_parallel_schedule="ZBVZeroBubble" if v_placement else "InterleavedZeroBubble",
+                pipeline_parallel_schedule_csv=csv,
+                pipeline_parallel_microbatch_size=1,
+            ),
+            compile_config=CompileConfig(),
+            ac_config=None,
+            dump_folder=dump,
+            device=torch.device("cpu"),
+            model_config=config,
+            parallelize_fn=parallelize_llama,
+            loss_fn=loss_fn,
+        )
+    tokens, positions, labels = batch
+    losses: list[torch.Tensor] | None = [] if last else None
+    schedule.step(
+        arg_mbs=[(x,) for x in tokens] if first else None,
+        kwarg_mbs=[{"positions": p} for p in positions],
+        target_mbs=list(labels) if last else None,
+        losses=losses,
+        loss_kwargs={"global_valid_tokens": gvt},
+        return_outputs=False,
+    )
+    got = _grads(parts)
+    for n, g in got.items():
+        torch.testing.assert_close(g, ref_grads[n], msg=lambda m, n=n: f"planned rank {rank} {n}: {m}")
+    if last:
+        assert losses is not None
+        torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses))
+    return {"fqns": fqns, "held": sorted(got), "v": v_placement}
+
+
+def test_a_planned_cut_runs_through_torchtitans_own_split() -> None:
+    reports = run_ranks(_planned_worker, 2, timeout=240)
+    fqns = reports[0]["fqns"]
+    # a complete cut in model order, the head (2.3 blocks) alone on its stage: torchtitan's default
+    # puts the norm with it ([tok_embeddings], [layers.0], [layers.1], [norm, lm_head])
+    assert [name for stage in fqns for name in stage] == ["tok_embeddings", "layers.0", "layers.1", "norm", "lm_head"]
+    assert len(fqns) == 4 and fqns[-1] == ["lm_head"]
+    held = {name.split(".")[0] for r in reports for name in r["held"]}
+    assert held == {"tok_embeddings", "layers", "norm", "lm_head"}
