@@ -23,7 +23,7 @@ from pipetrain.liveness import PipelineActivationLiveness, analyze_pipeline_acti
 from pipetrain.plan import Action, ActionKind, ScheduleError, build_schedule
 from pipetrain.plan import Schedule as PlanSchedule
 from pipetrain.plan._text import align_columns
-from pipetrain.plan.generators import ScheduleFamily, family, schedule_names
+from pipetrain.plan.generators import ScheduleFamily, did_you_mean, family, schedule_names
 from pipetrain.plan.passes.fsdp import DEFAULT_MAX_UNSHARDED
 from pipetrain.runtime import LossFn, PipelineScheduleRuntime, announce_failure, read_torch_csv
 from pipetrain.runtime.custom import CustomAction, PipelineContext
@@ -533,4 +533,8 @@ def get_schedule_class(schedule_name: str) -> type[PipelineScheduleRuntime]:
     for known in schedule_names():
         if family(known).class_name.lower() == key:
             return _class_of(family(known))
-    raise ValueError(f"unknown schedule {schedule_name!r}; known: {', '.join(sorted(schedule_names()))}")
+    classes = [(family(known).class_name, family(known).class_name) for known in schedule_names()]
+    raise ValueError(
+        f"unknown schedule {schedule_name!r}{did_you_mean(schedule_name, classes)} "
+        f"(known schedules: {', '.join(sorted(schedule_names()))})"
+    )

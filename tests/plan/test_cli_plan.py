@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pipetrain.cli import main
-from pipetrain.plan import Schedule, build_schedule
+from pipetrain.plan import Schedule, ScheduleError, build_schedule
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -267,3 +267,32 @@ def test_the_readme_lists_every_command() -> None:
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
     for name in _commands():
         assert f"pipetrain {name}" in readme, f"README never shows `pipetrain {name}`"
+
+
+@pytest.mark.parametrize(
+    ("typed", "meant"),
+    [("ZBVZeroBuble", "ZBVZeroBubble"), ("interleaved1f1c", "Interleaved1F1B"), ("GPipes", "GPipe")],
+)
+def test_a_mistyped_schedule_name_gets_a_suggestion(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, typed: str, meant: str
+) -> None:
+    hint = f"unknown schedule {typed!r}; did you mean {meant!r}?"
+    with pytest.raises(ScheduleError) as caught:
+        build_schedule(typed, 4, 8)
+    assert hint in str(caught.value)
+    for command, *more in (("show",), ("simulate",), ("export", "--csv", str(tmp_path / "s.csv"))):
+        code, _, err = run(capsys, command, typed, "-p", "4", "-m", "8", *more)
+        assert code == 1 and hint in err, (command, err)
+    # far from every name: no guess, the list of names as before
+    with pytest.raises(ScheduleError, match=r"unknown schedule 'xyz' \(known schedules: GPipe, 1F1B"):
+        build_schedule("xyz", 4, 8)
+
+
+def test_the_runtime_suggests_a_schedule_class_too() -> None:
+    pytest.importorskip("torch")
+    from pipetrain.schedules import get_schedule_class
+
+    with pytest.raises(ValueError, match=r"unknown schedule 'ZBVZeroBuble'; did you mean 'ZBVZeroBubble'\?"):
+        get_schedule_class("ZBVZeroBuble")
+    with pytest.raises(ValueError, match=r"did you mean 'ScheduleZBVZeroBubble'\?"):
+        get_schedule_class("ScheduleZBVZeroBuble")

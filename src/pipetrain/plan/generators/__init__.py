@@ -9,6 +9,7 @@ from __future__ import annotations
 from pipetrain.plan.generators._registry import (
     ScheduleFamily,
     build_schedule,
+    did_you_mean,
     family,
     register,
     schedule_names,
@@ -27,4 +28,4 @@ from pipetrain.plan.generators import (  # noqa: F401  isort: skip
     forward_only,
 )
 
-__all__ = ["ScheduleFamily", "build_schedule", "family", "register", "schedule_names"]
+__all__ = ["ScheduleFamily", "build_schedule", "did_you_mean", "family", "register", "schedule_names"]

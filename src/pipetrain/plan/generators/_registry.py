@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import difflib
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from pipetrain.plan._graph import gc_paused
@@ -93,8 +94,22 @@ def family(name: str) -> ScheduleFamily:
         raise ScheduleError(f"a schedule name must be a string, not {type(name).__name__}")
     canonical = _LOOKUP.get(name.strip().lower())
     if canonical is None:
-        raise ScheduleError(f"unknown schedule {name!r}; known schedules: {', '.join(_FAMILIES)}")
+        raise ScheduleError(f"unknown schedule {name!r}{did_you_mean(name)} (known schedules: {', '.join(_FAMILIES)})")
     return _FAMILIES[canonical]
+
+
+def did_you_mean(name: str, extra: Iterable[tuple[str, str]] = ()) -> str:
+    """``"; did you mean 'ZBVZeroBubble'?"`` for a mistyped schedule name, or "" when nothing is close.
+
+    Compares case-insensitively with every name and alias (an alias suggests its family's name) and
+    with ``extra`` (spelling, what to suggest) pairs, e.g. the runtime's class names."""
+    targets = {key: _LOOKUP[key] for key in _LOOKUP}
+    targets.update((spelling.lower(), suggestion) for spelling, suggestion in extra)
+    close = difflib.get_close_matches(name.strip().lower(), list(targets), n=3, cutoff=0.75)
+    suggestions = list(dict.fromkeys(targets[key] for key in close))
+    if not suggestions:
+        return ""
+    return "; did you mean " + " or ".join(repr(s) for s in suggestions) + "?"
 
 
 def schedule_names() -> list[str]:
