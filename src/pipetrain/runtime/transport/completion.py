@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import os
 import queue
 import threading
 import time
@@ -54,7 +56,7 @@ def _completed(work: Any) -> bool:
 
 
 class _Job:
-    __slots__ = ("done", "error", "keep", "limit", "on_done", "what", "works")
+    __slots__ = ("done", "error", "finished", "keep", "limit", "on_done", "what", "works")
 
     def __init__(
         self,
@@ -73,18 +75,88 @@ class _Job:
         self.limit = limit
         self.done = threading.Event()
         self.error: BaseException | None = None
+        self.finished: deque[_Job] | None = None  # the Waiter's, told the job once it is done
 
 
-def _serve(jobs: queue.SimpleQueue[_Job | None], finished: deque[_Job] | None) -> None:
+# Helper threads ("lanes"), shared by every Waiter of the process. A thread per Waiter that
+# outlived it left one idle thread per schedule a program built; a thread stopped with its
+# Waiter woke at interpreter exit to drop its last gloo works, whose destructors take the GIL:
+# Python ends a thread that takes the GIL while the interpreter finalizes (pthread_exit), and
+# unwinding it through a C++ destructor aborts the process ("terminate called without an active
+# exception"). So a lane is never stopped: it is lent to one Waiter while that Waiter has jobs
+# on it (they run in the order put), free again, holding nothing, once it finished them, and an
+# idle lane sleeps through exit untouched. A process has as many lanes as Waiters had jobs at the
+# same time, plus any left waiting on a dead peer after a failure (free again once that wait
+# ends: the peer's exit closes the connection, or the wait's bound passes).
+_LANES_LOCK = threading.Lock()
+_LANES: list[_Lane] = []
+
+
+def _forget_lanes() -> None:
+    """A forked child has none of its parent's threads: it starts lanes of its own."""
+    global _LANES_LOCK
+    _LANES_LOCK = threading.Lock()
+    _LANES.clear()
+
+
+os.register_at_fork(after_in_child=_forget_lanes)
+
+
+class _Lane:
+    """One helper thread and its queue; ``owner`` is the :class:`_Lending` it works for (None: free)."""
+
+    __slots__ = ("current", "jobs", "owner", "unfinished")
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        self.owner: _Lending | None = None
+        self.unfinished = 0  # jobs put and not finished yet (under _LANES_LOCK)
+        self.current: _Job | None = None  # the job it waits on (for _end_abandoned_waits)
+        threading.Thread(target=_serve, args=(self,), daemon=True, name="pipetrain-sends").start()
+
+
+class _Lending:
+    """A Waiter's helper thread: the lane it holds while it has jobs pending, else a free one
+    (or a new one) for its next job."""
+
+    __slots__ = ("finished", "lane")
+
+    def __init__(self, finished: deque[_Job]) -> None:
+        self.finished = finished
+        self.lane: _Lane | None = None
+
+    def put(self, job: _Job) -> None:
+        job.finished = self.finished
+        with _LANES_LOCK:
+            lane = self.lane
+            if lane is None or lane.owner is not self:  # none yet, or it finished our jobs and was freed
+                lane = next((x for x in _LANES if x.owner is None), None)
+                if lane is None:
+                    lane = _Lane()
+                    _LANES.append(lane)
+                lane.owner, self.lane = self, lane
+            lane.unfinished += 1
+        lane.jobs.put(job)
+
+
+def _serve(lane: _Lane) -> None:
+    jobs = lane.jobs
     while True:
-        job = jobs.get()
-        if job is None:
-            return
-        _wait_job(job)
-        if finished is not None and job.limit is None:
-            finished.append(job)
-        job.done.set()
-        del job  # the next get() may wait long: hold no operation (nor the tensors it refers to) meanwhile
+        _run(lane, jobs.get())  # no local outlives a job: an idle lane holds no operation
+
+
+def _run(lane: _Lane, job: _Job) -> None:
+    lane.current = job
+    _wait_job(job)
+    lane.current = None
+    if job.finished is not None and job.limit is None:
+        job.finished.append(job)
+    job.finished = None
+    with _LANES_LOCK:  # freed before `done`: the Waiter's next job may take this lane again
+        lane.unfinished -= 1
+        if lane.unfinished == 0:
+            lane.owner = None
+    job.done.set()
 
 
 def _wait_job(job: _Job) -> None:
@@ -100,6 +172,38 @@ def _wait_job(job: _Job) -> None:
         job.error = err
     job.keep = None
     job.works = []
+
+
+def _end_abandoned_waits(bound: float = 2.0) -> None:
+    """At exit, before the interpreter finalizes: end the waits lanes were left in by a failure.
+
+    A lane still busy then waits on a peer of a failed step (a send it never received, say). That
+    wait ends when the peer's process exits and closes the connection, most likely while this
+    interpreter finalizes, and the lane would abort the process there (see above): a rank whose
+    step failed while it waited for its sends exited with SIGABRT instead of its own code in 8 of
+    8 runs (tests/runtime/test_helper_threads.py). A gloo wait that expires closes its connection
+    and wakes every wait on it, so each abandoned operation is waited for a millisecond here (its
+    group failed: nothing runs on it again), and the lanes, free again, for up to ``bound``
+    seconds. Joint works (NCCL batches) are left alone: an expired NCCL wait may end the process.
+    """
+    deadline = time.monotonic() + bound
+    while time.monotonic() < deadline:
+        with _LANES_LOCK:
+            busy = [lane for lane in _LANES if lane.owner is not None]
+        if not busy:
+            return
+        for lane in busy:
+            job = lane.current
+            for work in list(job.works) if job is not None else []:
+                if not hasattr(work, "works"):
+                    try:
+                        work.wait(timedelta(milliseconds=1))
+                    except Exception:  # the expected expiry (or the connection already closed)
+                        pass
+        time.sleep(0.01)
+
+
+atexit.register(_end_abandoned_waits)
 
 
 class Waiter:
@@ -125,14 +229,13 @@ class Waiter:
         self.poll = poll
         self.where = where
         self._limit = timedelta(seconds=timeout)
-        self._bg: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._finished: deque[_Job] = deque()
+        self._bg = _Lending(self._finished)  # the helper thread: a shared lane, lent while in use
         # Sends posted this step (None once confirmed), and where each message's is.
         self._outstanding: list[tuple[list[Any], str, Any, Callable[[], None] | None] | None] = []
         self._pending: dict[Any, int] = {}
         self._device: list[Any] = []  # sends of device data, completed on the stream at drain()
         self.watch = False  # receives waited on by the helper thread, watching the failure channel
-        threading.Thread(target=_serve, args=(self._bg, self._finished), daemon=True, name="pipetrain-sends").start()
 
     def wait(self, works: list[Any], what: Any) -> None:
         """Wait for ``works``; ``what`` (a string, or a handle or item :func:`_describe` names) is for errors."""
@@ -292,7 +395,8 @@ class Waiter:
             raise kind(f"{self.where()}: waiting for {job.what} failed{because}: {job.error}") from job.error
 
     def close(self) -> None:
-        """Stop the helper thread once it is free (a thread stuck on a dead peer stays parked).
+        """Give up the sends not yet waited for (after a failure). The helper lane frees itself
+        once its jobs ended: one left waiting on a dead peer stays parked until that wait ends.
 
         Sends not yet waited for are kept alive for the life of the process: gloo keeps a posted
         send's buffer only weakly, and once it is gone a receive the peer posts later leaves the
@@ -303,4 +407,3 @@ class Waiter:
         self._outstanding.clear()
         self._pending.clear()
         self._device = []
-        self._bg.put(None)
