@@ -58,6 +58,7 @@ __all__ = ["Checkpointer", "Resumed", "attempt_store", "init_process_group"]
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _PARTIAL = ".partial-"
 _META = "pipetrain"  # the step, the caller's extra state and the saving layout (rank 0 writes it)
+_LAST_BARRIER: list[Any] = []  # the work of the last barrier, kept until the next one (see _barrier)
 
 
 @dataclass
@@ -242,8 +243,20 @@ class Checkpointer:
             raise error
 
     def _barrier(self, distributed: bool) -> None:
+        """``dist.barrier``, its work kept until the next one: save() ends with it, often right
+        before the program exits, and gloo's worker thread must not drop its last reference then.
+
+        A gloo barrier holds (weakly) the works still in progress when it starts, here DCP's last
+        broadcast, and the tensors of those die with it. Dropped last by the worker thread while
+        the interpreter finalizes, they take the GIL there, Python ends that thread, and the
+        process aborts ("terminate called without an active exception": torch 2.13, 1 run in 40
+        of tests/runtime/test_restart_torchrun.py under load). Held here, they die on the main thread.
+        """
         if distributed:
-            dist.barrier(group=self.group)
+            work = dist.barrier(group=self.group, async_op=True)
+            if work is not None:
+                work.wait()
+            _LAST_BARRIER[:] = [work]
 
 
 @contextlib.contextmanager
