@@ -178,7 +178,8 @@ def test_numbers_of_other_numeric_types_and_one_name_are_taken() -> None:
 def test_time_left_after_the_search_finishes_the_named_schedules(monkeypatch: pytest.MonkeyPatch) -> None:
     """Named schedules the first share of the time does not reach are simulated after the search,
     in time kept back for them: with that share cut to nothing (one schedule, ZB-V), the plan is
-    still never slower than the best named schedule (ZB-H2 here, latency 0.3)."""
+    still never slower than the best named schedule (ZB-H2 here, latency 0.3) by more than the
+    tolerance within which, without a memory limit, less memory wins (ZB-H2 holds 7 rank shares)."""
     import pipetrain.plan.search as search
 
     costs = Costs.per_rank(f=1, b=2, comm=0.3)
@@ -187,7 +188,8 @@ def test_time_left_after_the_search_finishes_the_named_schedules(monkeypatch: py
     monkeypatch.setattr(search, "_NAMED_SHARE", 1e-9)
     plan = plan_schedule(4, 32, costs, time_limit=1.0)
     assert plan.best_named is not None and plan.best_named.name == "ZBH2"
-    assert plan.makespan <= best.result.makespan + 1e-9
+    assert plan.makespan <= (1 + search.MEMORY_TOLERANCE) * best.result.makespan + 1e-9
+    assert plan.makespan <= best.result.makespan + 1e-9 or plan.memory < best.memory
 
 
 @pytest.mark.skipif(not exact.available(), reason="ortools (the solver extra) is not installed")

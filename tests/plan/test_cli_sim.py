@@ -25,7 +25,33 @@ def test_simulate_prints_summary(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "simulate", "1F1B", "--ranks", "4", "--microbatches", "8", "--costs", "f=1,b=2")
     assert code == 0
     assert "makespan 33 (lower bound 33), bubble 27.3%" in out
-    assert "   3        24         9          1" in out  # rank 3: busy, idle, peak activations
+    assert "   3        24         9            1         3" in out  # rank 3: busy, idle, peak, when
+
+
+def test_every_peak_says_its_unit_and_plan_counts_as_simulate(capsys: pytest.CaptureFixture[str]) -> None:
+    """simulate's 8 stage activations for ZB-V are plan's and compare's 4 (microbatches of a rank's share)."""
+    code, out, _ = run(capsys, "simulate", "ZBVZeroBubble", "-p", "4", "-m", "8", "--costs", "f=1,b=2")
+    assert code == 0
+    assert "peak 8 stage activations = 4 microbatches of a rank's share" in out.splitlines()[0]
+    assert "rank      busy      idle   stage act.  rank shares   at time" in out
+    assert "   0        24       1.5            8            4       3.5" in out
+    assert "ZB-V's 8 stage act. on 2 stages per rank are 4 rank shares" in out
+    code, out, _ = run(capsys, "compare", "-p", "4", "-m", "8")
+    header = next(line for line in out.splitlines() if line.startswith("| schedule"))
+    assert "| peak stage activations per rank | peak (microbatches of a rank's share) |" in header
+    assert "| ZBVZeroBubble | 8 | 25.5 | 5.9% | 0.77 | 8 8 8 8 | 4 | 96 |" in out
+    code, out, _ = run(capsys, "plan", "-p", "4", "-m", "8", "--costs", "f=1,b=2", "--time-limit", "0.3")
+    assert code == 0
+    assert "stage act.  rank shares  fits" in out
+    zbv = next(line for line in out.splitlines() if line.startswith("  ZBVZeroBubble")).split()
+    assert zbv[4:6] == ["8", "4"]  # v, makespan, bubble, then the peak as simulate and as plan count it
+    code, out, _ = run(capsys, "simulate", "ZBVZeroBubble", "-p", "4", "-m", "8", "--costs", "f=1,b=2", "--json")
+    data = json.loads(out)
+    assert data["peak_memory"]["0"] == 8 and data["peak_memory_rank_shares"]["0"] == 4
+    assert data["units"]["peak_memory"] == "stage activations"
+    assert data["units"]["peak_memory_rank_shares"].startswith("microbatches of a rank's share")
+    rows, _ = compare_rows(4, 8, None, Costs.per_rank(f=1, b=2))
+    assert rows[0]["units"]["peak_activations"] == "stage activations"
 
 
 def test_simulate_json(capsys: pytest.CaptureFixture[str]) -> None:
@@ -284,7 +310,7 @@ def test_rank_schedules_checks_its_arguments() -> None:
 def test_zero_costs_still_hold_activations(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "simulate", "1F1B", "-p", "2", "-m", "4", "--costs", "f=0,b=0")
     assert code == 0
-    assert "   0         0         0          2         0" in out  # rank 0 holds 2 microbatches, as with f=1,b=2
+    assert "   0         0         0            2         0" in out  # rank 0 holds 2 microbatches, as with f=1,b=2
 
 
 @pytest.mark.parametrize(
@@ -362,7 +388,9 @@ def test_plan_says_what_its_memory_is_in_stage_activations_for_per_stage_costs(
         "--time-limit", "0.3",
     )  # fmt: skip
     assert code == 0
-    assert "with 2 stages per rank its memory 1.5 is 3 stage activations, as simulate counts" in out
+    chosen = next(line for line in out.splitlines() if line.startswith("->")).split()
+    assert chosen[1] == "2" and chosen[4:6] == ["3", "1.5"]  # v, ..., stage activations, rank shares
+    assert "stage act.  rank shares  fits" in out
 
 
 def test_compare_says_whether_its_costs_are_per_stage(capsys: pytest.CaptureFixture[str]) -> None:

@@ -9,7 +9,7 @@ import pytest
 
 from pipetrain.cli import main
 from pipetrain.plan import Costs, Schedule, ScheduleError, auto_schedule, build_schedule, simulate
-from pipetrain.plan.search import rank_schedules
+from pipetrain.plan.search import MEMORY_TOLERANCE, plan_schedule, rank_schedules
 
 
 @pytest.mark.parametrize(("p", "m"), [(2, 4), (4, 8), (4, 6), (8, 32)])
@@ -84,15 +84,16 @@ def test_cli_plan_says_how_simulate_reproduces_its_numbers(tmp_path: Path, capsy
     assert main(argv) == 0
     text = capsys.readouterr().out
     chosen = next(line for line in text.splitlines() if line.startswith("->")).split()
-    v, makespan, memory = int(chosen[1]), float(chosen[2]), float(chosen[4])  # "->Name v makespan bubble memory"
+    # "->Name v makespan bubble stage-activations rank-shares"
+    v, makespan, memory = int(chosen[1]), float(chosen[2]), float(chosen[5])
     assert v > 1  # the case where the units differ
     check = next(line for line in text.splitlines() if line.startswith("check it: pipetrain simulate"))
     costs = check.split("--costs ")[1].strip("'")
     assert main(["simulate", str(out), "--costs", costs, "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert f"{result['makespan']:.4g}" == f"{makespan:.4g}"
-    assert max(result["peak_memory"].values()) == memory * v
-    assert f"its memory {memory:g} is {memory * v:g} stage activations" in text
+    assert max(result["peak_memory"].values()) == memory * v == int(chosen[4])
+    assert max(result["peak_memory_rank_shares"].values()) == memory
 
 
 def test_cli_plan_infeasible_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
@@ -139,3 +140,37 @@ def test_simulating_a_plan_with_its_costs_cut_into_stages_reproduces_its_memory(
     assert v > 1  # (the case where the units differ)
     result = simulate(best, costs.cut_into(v))
     assert result.peak_memory_bytes is not None and max(result.peak_memory_bytes.values()) <= 5000
+
+
+def test_without_a_memory_limit_less_memory_wins_within_the_tolerance(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """8 ranks x 32, comm 0.1: LoopedBFS at 4 stages per rank is the fastest named schedule by 0.15 %
+    with 4x ZB-V's memory; without a limit the plan holds ZB-V's memory and says what speed it left."""
+    costs = Costs.per_rank(f=1, b=2, comm=0.1)
+    ranked = rank_schedules(8, 32, costs)
+    fastest, zbv = ranked[0], next(c for c in ranked if c.name == "ZBVZeroBubble")
+    assert (fastest.name, fastest.stages_per_rank, fastest.memory, zbv.memory) == ("LoopedBFS", 4, 32, 8)
+    # Whatever the search constructs in its time: no more memory than ZB-V, within 1 % of the fastest.
+    plan = plan_schedule(8, 32, costs, time_limit=1.0)
+    assert plan.memory <= zbv.memory + 1e-9
+    assert plan.makespan <= (1 + MEMORY_TOLERANCE) * min(fastest.result.makespan, plan.makespan) + 1e-9
+    if plan.faster is not None:
+        assert plan.faster.memory > plan.memory
+        assert plan.makespan <= (1 + MEMORY_TOLERANCE) * plan.faster.makespan + 1e-9
+    # With a limit, the fastest that fits, as before: never slower than the best named schedule.
+    limited = plan_schedule(8, 32, costs, 32.0, time_limit=1.0)
+    assert limited.faster is None and limited.makespan <= fastest.result.makespan + 1e-9
+    # The named schedules alone (nothing constructed), as the CLI says it.
+    monkeypatch.setattr("pipetrain.plan.search.construct", lambda *args: None)
+    named = plan_schedule(8, 32, costs, time_limit=1.0)
+    assert named.memory == zbv.memory and named.schedule.name != "LoopedBFS"
+    assert named.faster is not None and (named.faster.name, named.faster.stages_per_rank) == ("LoopedBFS", 4)
+    assert named.faster.memory == 32
+    assert main(["plan", "-p", "8", "-m", "32", "--costs", "f=1,b=2,comm=0.1", "--time-limit", "1"]) == 0
+    text = capsys.readouterr().out
+    chosen = next(line for line in text.splitlines() if line.startswith("->")).split()
+    assert float(chosen[5]) == 8
+    gain = 100 * (1 - fastest.result.makespan / named.makespan)
+    assert f"LoopedBFS (v=4) would be {gain:.2g} % faster (makespan 102.7) at 4x the memory (32 rank shares);" in text
+    assert "within 1 % of the fastest, plan takes the least memory: --memory-limit 32 takes the fastest" in text

@@ -10,6 +10,9 @@ from typing import Any
 from pipetrain.cli.common import (
     OUTPUT_NAMING,
     PROFILE_HELP,
+    RANK_SHARES,
+    STAGE_ACT,
+    UNITS,
     held_per_rank,
     read_costs_file,
     schedule_output,
@@ -18,7 +21,7 @@ from pipetrain.cli.common import (
 from pipetrain.cli.pipeline_cmd import LAYERS_HELP, memory_limit_bytes, plan_layers
 from pipetrain.plan.costs import Costs
 from pipetrain.plan.errors import ScheduleError
-from pipetrain.plan.search import plan_schedule, rank_schedules
+from pipetrain.plan.search import MEMORY_TOLERANCE, plan_schedule, rank_schedules
 from pipetrain.plan.simulate import simulate
 
 
@@ -60,8 +63,11 @@ def register(subparsers: Any) -> None:
     plan.add_argument(
         "--memory-limit",
         default=None,
-        help="peak activations per rank, in microbatches of one rank's share (bytes if --costs sets bytes=); with "
-        "--layers, everything a rank holds, in bytes: a number (80e9) or with a unit (80GiB, 80GB)",
+        help="peak activations per rank, in microbatches of one rank's share ('rank shares': simulate's stage "
+        "activations / stages per rank; bytes if --costs sets bytes=); with --layers, everything a rank holds, in "
+        "bytes: a number (80e9) or with a unit (80GiB, 80GB). Without a limit, of the schedules within "
+        f"{100 * MEMORY_TOLERANCE:g} %% of the fastest makespan the one holding the least memory is chosen (and the "
+        "faster one named, with what it costs); with one, the fastest that fits",
     )
     plan.add_argument(
         "--comm",
@@ -118,13 +124,23 @@ def _plan_costs(args: argparse.Namespace) -> int:
     ranked = rank_schedules(
         args.ranks, args.microbatches, costs, args.memory_limit, stages_per_rank=args.stages_per_rank
     )
-    print(f"costs: {costs}   memory limit: {'none' if args.memory_limit is None else f'{args.memory_limit:g}'}")
-    header = f"{'':2}{'schedule':24}{'v':>3}{'makespan':>11}{'bubble':>9}{'memory':>9}  fits"
-    print(header)
+    in_bytes = costs.activation_bytes is not None
+    unit = "bytes" if in_bytes else RANK_SHARES
+    print(
+        f"costs: {costs}   memory limit: "
+        + (
+            f"none (of the schedules within {100 * MEMORY_TOLERANCE:g} % of the fastest, the least memory)"
+            if args.memory_limit is None
+            else f"{args.memory_limit:g} {unit}"
+        )
+    )
+    print(f"{'':2}{'':24}{'':3}{'':11}{'':9}{'peak memory per rank':>26}")
+    print(f"{'':2}{'schedule':24}{'v':>3}{'makespan':>11}{'bubble':>9}{STAGE_ACT:>13}{unit:>13}  fits")
     for cand in ranked[: max(1, args.top)]:
         print(
             f"{'':2}{cand.name:24}{cand.stages_per_rank:>3}{cand.result.makespan:>11.4g}"
-            f"{100 * cand.result.bubble:>8.1f}%{cand.memory:>9.2f}  {'yes' if cand.fits else 'no'}"
+            f"{100 * cand.result.bubble:>8.1f}%{cand.result.max_peak_memory:>13}{cand.memory:>13.4g}"
+            f"  {'yes' if cand.fits else 'no'}"
         )
     found = plan_schedule(
         args.ranks,
@@ -143,10 +159,12 @@ def _plan_costs(args: argparse.Namespace) -> int:
     # (With one rank the two layouts are the same.)
     layout = "V" if v == 2 and args.ranks > 1 and chosen.stage_to_rank.get(2 * args.ranks - 1) == 0 else "loop"
     print(
-        f"{'->':2}{chosen.name:24}{v:>3}{result.makespan:>11.4g}{100 * result.bubble:>8.1f}%{found.memory:>9.2f}"
-        f"  yes  ({layout} placement)"
+        f"{'->':2}{chosen.name:24}{v:>3}{result.makespan:>11.4g}{100 * result.bubble:>8.1f}%"
+        f"{result.max_peak_memory:>13}{found.memory:>13.4g}  yes  ({layout} placement)"
     )
+    print(UNITS if not in_bytes else UNITS.split("\n")[0].rstrip(";") + "; bytes: as bytes= gives them")
     named = found.best_named
+    faster = found.faster
     if named is None:
         print("no named schedule fits this memory limit; the constructed one does")
     elif chosen.name == "Auto":
@@ -154,18 +172,17 @@ def _plan_costs(args: argparse.Namespace) -> int:
             f"constructed: {named.result.makespan / result.makespan:.4f}x faster than {named.name}, the best named "
             f"schedule that fits (makespan {named.result.makespan:.4g})"
         )
-    else:
+    elif faster is None or faster.name != "Auto":
         print(f"{named.name} stays the best: nothing constructed in {args.time_limit:g} s beat it")
-    # simulate counts stage activations: say what its numbers are in these units.
-    activations = (
-        f"its memory {found.memory:g} is {found.memory * v:g} stage activations, as simulate counts"
-        if costs.activation_bytes is None and v > 1
-        else ""
-    )
+    if faster is not None:
+        print(
+            f"{faster.name} (v={faster.stages_per_rank}) would be {100 * (1 - faster.makespan / result.makespan):.2g} % "
+            f"faster (makespan {faster.makespan:.4g}) at {faster.memory / found.memory:.3g}x the memory "
+            f"({faster.memory:.4g} {unit});\nwithin {100 * MEMORY_TOLERANCE:g} % of the fastest, plan takes the least "
+            f"memory: --memory-limit {faster.memory:g} takes the fastest that fits"
+        )
     if not costs.fixes_stages and v != 1:
-        print(f"with {v} stages per rank each stage costs {stage_costs}" + (f"; {activations}" if activations else ""))
-    elif activations:
-        print(f"with {v} stages per rank {activations}")
+        print(f"with {v} stages per rank each stage costs {stage_costs}")
     if target is not None:
         path = write_schedule(chosen, target)
         print(f"wrote {path}")

@@ -20,6 +20,16 @@ def add_size_arguments(parser: argparse.ArgumentParser, *, required: bool = True
     )
 
 
+STAGE_ACT = "stage act."
+RANK_SHARES = "rank shares"
+UNITS = (
+    f"{STAGE_ACT}: stage activations held, one stage's for one microbatch each (simulate's peak);\n"
+    f"{RANK_SHARES}: microbatches of a rank's whole share of the model = {STAGE_ACT} / stages per rank "
+    f"(plan's and --memory-limit's unit): ZB-V's 8 {STAGE_ACT} on 2 stages per rank are 4 {RANK_SHARES}"
+)
+"""What the peak memory columns of simulate, compare and plan count (printed under their tables)."""
+
+
 def held_per_rank(schedule: Schedule) -> int:
     """V when every rank holds V stages (plain costs, one rank's share, are then cut into V), else 1:
     stages spread unevenly, or a rank holding none, take plain costs per stage. One rule for every

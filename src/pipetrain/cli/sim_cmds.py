@@ -11,6 +11,9 @@ from pipetrain.cli.arguments import add_output_argument, add_schedule_command
 from pipetrain.cli.common import (
     OUTPUT_NAMING,
     PROFILE_HELP,
+    RANK_SHARES,
+    STAGE_ACT,
+    UNITS,
     add_size_arguments,
     held_per_rank,
     output_path,
@@ -50,7 +53,8 @@ def register(subparsers: Any) -> None:
         "simulate",
         help="simulate a schedule: makespan, bubble, memory, timeline picture",
         description="Time a named schedule (or a .csv/.json file) with a cost model: step time (makespan), "
-        "idle share (bubble) and peak activations per rank; optionally draw its timeline (--png/--svg, needs "
+        "idle share (bubble) and peak activations per rank (in stage activations, and in microbatches of a rank's "
+        "share as plan counts); optionally draw its timeline (--png/--svg, needs "
         "matplotlib) or write a Chrome trace.",
     )
     _add_costs_argument(sim, _SHARE_MEANING)
@@ -70,7 +74,8 @@ def register(subparsers: Any) -> None:
         "compare",
         help="simulate every schedule that accepts the sizes, one row each",
         description="Simulate every known schedule for the same model on P ranks and M microbatches and print "
-        "one table row each: makespan, bubble, ratio to 1F1B, peak activations, messages sent.",
+        "one table row each: makespan, bubble, ratio to 1F1B, peak activations (in stage activations per rank, and "
+        "in microbatches of a rank's share as plan counts), messages sent.",
     )
     add_size_arguments(cmp, required=True)
     _add_costs_argument(cmp, _SHARE_MEANING + "; so every row runs the same model")
@@ -111,9 +116,19 @@ def _simulate(args: argparse.Namespace) -> int:
         raise
     written = _write_pictures(result, pictures, trace)
     if args.json:
-        print(json.dumps({**result.summary(), "costs_given": str(given)}, indent=1))
+        v = _even_stages(schedule)
+        units = {"makespan": "the costs' time unit", "peak_memory": "stage activations"}
+        summary = {**result.summary(), "costs_given": str(given)}
+        if v is not None:
+            summary["peak_memory_rank_shares"] = {str(r): n / v for r, n in result.peak_memory.items()}
+            units["peak_memory_rank_shares"] = _SHARE_UNIT
+        if result.peak_memory_bytes is not None:
+            units["peak_memory_bytes"] = "bytes"
+        summary["units"] = units
+        print(json.dumps(summary, indent=1))
         return 0
-    print(_describe(result, given))
+    v = _even_stages(schedule)
+    print(_describe(result, given, None if v == 1 else v))
     if args.grid:
         from pipetrain.plan.render import format_time_grid
 
@@ -139,23 +154,48 @@ def _write_pictures(result: SimResult, pictures: list[tuple[str, str]], trace: s
     return written
 
 
-def _describe(r: SimResult, given: Costs) -> str:
+_SHARE_UNIT = "microbatches of a rank's share (stage activations / stages per rank, as plan counts)"
+
+
+def _even_stages(schedule: Schedule) -> int | None:
+    """Stages per rank when every rank holds as many (a rank's share is then cut into them), else None."""
+    v = held_per_rank(schedule)
+    return v if v * schedule.num_ranks == schedule.num_stages else None
+
+
+def _describe(r: SimResult, given: Costs, v: int | None) -> str:
+    """The text summary; ``v``: stages per rank (None: one, where a stage is a rank's share, or spread
+    unevenly, where there is no rank's share to count in)."""
     costs = (
         f"costs: {r.costs}"
         if given.cut_into(1) == r.costs
         else f"costs: {given} for one rank's share of the model, so each of its {r.num_stages // r.num_ranks} "
         f"stages takes {r.costs}"
     )
+    peak = r.max_peak_memory
+    share = "" if v is None else f" = {peak / v:g} microbatches of a rank's share"
     lines = [
-        r.title,
+        f"{r.title.split(' | ')[0]} | makespan {r.makespan:g}, bubble {100 * r.bubble:.1f}%, "
+        f"peak {peak} stage activations{share}",
         costs + (" (lowered schedule)" if r.lowered else ""),
         f"makespan {r.makespan:g} (lower bound {r.lower_bound:g}), bubble {100 * r.bubble:.1f}%",
-        f"{'rank':>4}  {'busy':>8}  {'idle':>8}  {'peak act.':>9}  {'at time':>8}",
+        f"{'':4}  {'':8}  {'':8}  {'peak memory':>24}" if v is not None else f"{'':4}  {'':8}  {'':8}  {'peak':>11}",
+        f"{'rank':>4}  {'busy':>8}  {'idle':>8}  {STAGE_ACT:>11}  "
+        + (f"{RANK_SHARES:>11}  " if v is not None else "")
+        + f"{'at time':>8}",
     ]
     for rank in range(r.num_ranks):
+        shares = "" if v is None else f"{r.peak_memory[rank] / v:>11g}  "
         lines.append(
-            f"{rank:>4}  {r.busy[rank]:>8g}  {r.idle[rank]:>8g}  {r.peak_memory[rank]:>9}  {r.peak_memory_time[rank]:>8g}"
+            f"{rank:>4}  {r.busy[rank]:>8g}  {r.idle[rank]:>8g}  {r.peak_memory[rank]:>11}  {shares}"
+            f"{r.peak_memory_time[rank]:>8g}"
         )
+    if v is None:
+        lines.append(UNITS.split("\n")[0].rstrip(";"))
+    elif v == 2:
+        lines.append(UNITS)
+    else:
+        lines.append(UNITS.rsplit(":", 1)[0].replace(f"{STAGE_ACT} / stages per rank", f"{STAGE_ACT} / {v}") + ")")
     if r.peak_memory_bytes is not None:
         lines.append("peak bytes per rank: " + ", ".join(f"{r.peak_memory_bytes[k]:g}" for k in range(r.num_ranks)))
     return "\n".join(lines)
@@ -188,6 +228,7 @@ def compare_rows(
                 "bubble": result.bubble,
                 "peak_activations": [result.peak_memory[r] for r in range(num_ranks)],
                 "peak_activations_model_share": max(result.peak_memory.values()) / v,
+                "units": {"peak_activations": "stage activations", "peak_activations_model_share": _SHARE_UNIT},
                 "sends": _count_sends(schedule),
             }
         )
@@ -235,6 +276,10 @@ def _compare(args: argparse.Namespace) -> int:
         + (f", {args.stages_per_rank} stages per rank" if args.stages_per_rank else "")
     )
     print(format_compare_table(rows))
+    print(
+        "stage activations: one stage's activations of one microbatch each, as simulate counts; microbatches of a "
+        "rank's share: the same / stages per rank, as plan and --memory-limit count (ZB-V: 8 = 4)"
+    )
     if png:
         print(f"wrote {png}")
     return 0
@@ -243,7 +288,8 @@ def _compare(args: argparse.Namespace) -> int:
 def format_compare_table(rows: list[dict[str, Any]]) -> str:
     """A Markdown table of ``compare_rows`` output."""
     header = (
-        "| schedule | stages | makespan | bubble | vs 1F1B | peak activations per rank | peak (× 1F1B stage) | sends |"
+        "| schedule | stages | makespan | bubble | vs 1F1B | peak stage activations per rank "
+        "| peak (microbatches of a rank's share) | sends |"
     )
     lines = [header, "|---|---:|---:|---:|---:|---|---:|---:|"]
     for row in rows:

@@ -3,6 +3,9 @@
 Every registered training schedule is built at every number of stages per rank it accepts
 (1-4), simulated under the given costs, and ranked: feasible ones (peak memory within the limit)
 by makespan, then by peak memory, then by the number of stages (fewer stages, fewer messages).
+Without a memory limit the planners prefer less memory over a small simulated gain: of the
+schedules within :data:`MEMORY_TOLERANCE` (1 %) of the fastest makespan, the one holding the
+least memory (:attr:`Plan.faster` then names the fastest, and what it would cost).
 
 Units (one meaning of :class:`Costs` everywhere). Per-stage cost *sequences* are measurements of
 an already cut model: they fix the number of stages (``len(f)`` must be a multiple of
@@ -22,7 +25,8 @@ import numbers
 import random
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TypeVar
 
 from pipetrain.plan.autoplan import (
     SECONDS_PER_ACTION,
@@ -41,12 +45,27 @@ from pipetrain.plan.generators._common import v_placement
 from pipetrain.plan.schedule import Schedule
 from pipetrain.plan.simulate import SimResult, simulate
 
-__all__ = ["Candidate", "Plan", "auto_schedule", "layout_problem", "plan_schedule", "rank_schedules"]
+__all__ = [
+    "MEMORY_TOLERANCE",
+    "Alternative",
+    "Candidate",
+    "Plan",
+    "auto_schedule",
+    "layout_problem",
+    "plan_schedule",
+    "rank_schedules",
+]
+
+MEMORY_TOLERANCE = 0.01
+"""Without a memory limit, a schedule up to this share slower than the fastest (1 %) is preferred
+when it holds less memory: a simulated gain that small is within what real step times vary by,
+and memory is not free. With a memory limit the fastest that fits is chosen, as asked."""
 
 _MAX_STAGES_PER_RANK = 4
 _LIKELY_BEST = ("ZBVZeroBubble", "InterleavedZeroBubble", "DualPipeV", "ZBH2", "ZBH1", "Interleaved1F1B", "1F1B")
 _NAMED_SHARE = 0.4  # of the time limit, at most, for building and simulating named schedules
 _FIRST_LOOK_SHARE = 0.45  # of the search time, for a first look at every layout
+_T = TypeVar("_T")
 _PRELOAD_WORTH = 3.0  # seconds of time limit, at least, to spend one importing CP-SAT
 
 
@@ -211,6 +230,33 @@ def _rank_key(c: Candidate) -> tuple[bool, float, float, int]:
     return (not c.fits, c.result.makespan, c.memory, c.stages_per_rank)
 
 
+@dataclass(frozen=True)
+class Alternative:
+    """A schedule the planner found but did not choose: its name, stages per rank, simulated
+    makespan and peak memory (in the units of ``memory_limit``)."""
+
+    name: str
+    stages_per_rank: int
+    makespan: float
+    memory: float
+
+
+def _prefer(options: list[tuple[Alternative, _T]], tolerance: float) -> tuple[_T, Alternative | None]:
+    """The payload of the option holding the least memory among those within ``tolerance`` of the
+    fastest makespan (ties: faster, then named before constructed, then fewer stages), and the
+    fastest option when it is not the one chosen."""
+
+    def speed(o: tuple[Alternative, _T]) -> tuple[float, float, bool, int]:
+        a = o[0]
+        return (a.makespan, a.memory, a.name == "Auto", a.stages_per_rank)
+
+    fastest = min(options, key=speed)
+    bound = fastest[0].makespan * (1 + tolerance) + 1e-9
+    near = [o for o in options if o[0].makespan <= bound]
+    chosen = min(near, key=lambda o: (round(o[0].memory, 9), *speed(o)))
+    return chosen[1], (None if chosen is fastest else fastest[0])
+
+
 def auto_schedule(
     num_ranks: int,
     num_microbatches: int,
@@ -243,6 +289,13 @@ def auto_schedule(
     even for that may miss a named schedule that would have won. Where no named schedule fits,
     one construction always runs, which can outlast a very short limit at scale (about 4 s at
     64 ranks x 256 microbatches).
+
+    Memory against speed: with a ``memory_limit`` the result is the fastest found that fits, never
+    slower than the best named schedule that fits. Without one, of the schedules found within
+    :data:`MEMORY_TOLERANCE` (1 %) of the fastest makespan the one holding the least memory is
+    returned (e.g. ZB-V rather than LoopedBFS at 4 stages per rank holding 4x its memory for a
+    0.15 % gain), so the result is at most 1 % slower than the best named schedule;
+    :func:`plan_schedule`'s ``Plan.faster`` names what was passed over.
     """
     schedule = plan_schedule(
         num_ranks,
@@ -261,13 +314,16 @@ def auto_schedule(
 
 @dataclass(frozen=True)
 class Plan:
-    """What :func:`plan_schedule` found: the schedule, its simulated makespan and memory, and the
-    best named schedule that fits (None if none does) for comparison."""
+    """What :func:`plan_schedule` found: the schedule, its simulated makespan and memory, the
+    best named schedule that fits (None if none does) for comparison, and ``faster``: the fastest
+    schedule found when it was passed over for one within :data:`MEMORY_TOLERANCE` of it that holds
+    less memory (only without a memory limit), else None."""
 
     schedule: Schedule
     makespan: float
     memory: float
     best_named: Candidate | None
+    faster: Alternative | None = field(default=None, kw_only=True)
 
 
 def plan_schedule(
@@ -282,7 +338,8 @@ def plan_schedule(
     names: Iterable[str] | None = None,
     seed: int = 0,
 ) -> Plan:
-    """:func:`auto_schedule` with what it compared against."""
+    """:func:`auto_schedule` with what it compared against (and, without a memory limit, the
+    faster schedule it passed over for less memory, see :data:`MEMORY_TOLERANCE`)."""
     started = time.perf_counter()
     time_limit = _finite("time_limit (seconds)", time_limit, positive=True)
     if placement is not None and placement not in ("loop", "v"):
@@ -362,18 +419,23 @@ def plan_schedule(
         found = polished
     if rest and time.perf_counter() < deadline:
         more, _ = _rank(num_ranks, num_microbatches, costs, memory_limit, rest, deadline, at_least_one=False)
-        fitting = [c for c in more if c.fits and (placement is None or family(c.name).placement == placement)]
-        if fitting and (best_named is None or _rank_key(fitting[0]) < _rank_key(best_named)):
-            best_named = fitting[0]
+        named += [c for c in more if c.fits and (placement is None or family(c.name).placement == placement)]
+        named.sort(key=_rank_key)
+    tolerance = MEMORY_TOLERANCE if memory_limit is None else 0.0
+    offers: list[tuple[Alternative, Candidate | None]] = [
+        (Alternative(c.name, c.stages_per_rank, c.result.makespan, c.memory), c) for c in named
+    ]
+    best_named = _prefer(offers, tolerance)[0] if offers else None
     if found:
         makespan, problem, orders = min(found, key=lambda item: item[0])
-        if best_named is None or makespan < best_named.result.makespan - 1e-9:
-            schedule = problem.to_schedule(orders)
-            memory = max(problem.peak(o) for o in orders)
-            return Plan(schedule, makespan, memory, best_named)
-    if best_named is None:
+        memory = max(problem.peak(o) for o in orders)
+        offers.append((Alternative("Auto", problem.num_stages // num_ranks, makespan, memory), None))
+    if not offers:
         raise ScheduleError("no schedule found within the time limit; give it more time_limit")
-    return Plan(best_named.schedule, best_named.result.makespan, best_named.memory, best_named)
+    chosen, faster = _prefer(offers, tolerance)
+    if chosen is None:  # the constructed one
+        return Plan(problem.to_schedule(orders), makespan, memory, best_named, faster=faster)
+    return Plan(chosen.schedule, chosen.result.makespan, chosen.memory, best_named, faster=faster)
 
 
 def _same_layout(problem: Problem, schedule: Schedule) -> bool:
