@@ -99,7 +99,8 @@ def _forget_lanes() -> None:
     _LANES.clear()
 
 
-os.register_at_fork(after_in_child=_forget_lanes)
+if hasattr(os, "register_at_fork"):  # not on Windows
+    os.register_at_fork(after_in_child=_forget_lanes)
 
 
 class _Lane:
