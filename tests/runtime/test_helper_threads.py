@@ -105,6 +105,26 @@ def test_jobs_of_one_waiter_run_in_order_on_its_lane() -> None:
     assert order == ["first", "second"]
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_starts_lanes_of_its_own() -> None:
+    """A child has none of its parent's threads: a lane it inherited by name would never run."""
+    waiter = _waiter()
+    waiter.background([_Work()], keep=None, on_done=None, what="a send")
+    waiter.drain()  # the parent has a lane
+    pid = os.fork()
+    if pid == 0:  # the child: a wait that hung on the parent's lane would never end
+        code = 1
+        try:
+            child = _waiter()
+            child.background([_Work()], keep=None, on_done=None, what="a send")
+            child.drain()
+            code = 0 if len(completion._LANES) == 1 else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
 def _build_step_drop(rank: int, world: int) -> dict[str, int]:
     from pipetrain import (
         PipelineStage,
