@@ -153,9 +153,10 @@ def _layer_profile(
 # ----------------------------------------------------------------------------- memory
 
 
-def promised_peaks(lay: Layout) -> dict[int, tuple[float, float]] | None:
-    """Rank 0: per rank, (simulated peak bytes, static bytes) of the schedule that runs, on the cut's
-    costs from the layer profile (None without a profile)."""
+def promised_peaks(lay: Layout, runs: Schedule | None = None) -> dict[int, tuple[float, float]] | None:
+    """Rank 0: per rank, (simulated peak bytes, static bytes) of the schedule that runs (``runs``:
+    the runtime's lowered schedule, its message buffers included; else the planned one), on the
+    cut's costs from the layer profile (None without a profile)."""
     if not lay.layers:
         return None
     from pipetrain.plan import simulate
@@ -163,7 +164,7 @@ def promised_peaks(lay: Layout) -> dict[int, tuple[float, float]] | None:
 
     recompute = lay.plan.recompute if lay.plan is not None else []
     costs = cut_costs(lay.layers, lay.stage_layers, recompute, lay.comm)
-    result = simulate(lay.schedule, costs)
+    result = simulate(runs if runs is not None else lay.schedule, costs)
     if result.peak_memory_bytes is None:
         return None
     static = costs.per_stage("static_bytes", lay.schedule.num_stages)
@@ -181,6 +182,7 @@ class MemoryCheck:
         # The second step of the run (the first has no optimizer state yet), or the last of a short one.
         self.step = start + 1 if steps - start >= 3 else steps - 1
         self.device = device
+        self.lay = lay
         self.promise = promised_peaks(lay) if dist.get_rank() == 0 else None
         self.grad_bytes = sum(p.numel() * p.element_size() for p in params)
         self.meter: Any = None
@@ -189,6 +191,8 @@ class MemoryCheck:
         """The context to run ``step`` in: the meter attached to ``sched`` on the measured step."""
         if step != self.step:
             return nullcontext()
+        if self.promise is not None:
+            self.promise = promised_peaks(self.lay, sched.schedule)  # as the runtime runs it
         try:
             from pipetrain.memory import MemoryMeter
 

@@ -207,7 +207,8 @@ def _train(env: DistEnv, cfg: TrainConfig, device: torch.device) -> TrainResult 
             t0 = time.perf_counter()
             origin = t0
             with memory.around(step, sched):
-                sched.step(*args, **kwargs)
+                # (training reads the losses only: the last stage keeps no output, as planned)
+                sched.step(*args, return_outputs=False, **kwargs)
             norm = pipetrain.clip_grad_norm_(params, cfg.clip_grad_norm) if cfg.clip_grad_norm is not None else None
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
