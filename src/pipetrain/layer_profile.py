@@ -12,6 +12,9 @@ of the one before (the first on ``sample_input``, one microbatch) and measures, 
   every tensor autograd saves goes through ``saved_tensors_hooks`` and the distinct storages are
   summed, parameters and buffers left out. A storage that a layer saves of its own output and the
   next layer saves of its input counts once, for the next layer (the one whose input it is).
+* ``weight_grad_bytes``: what it still holds once its input-gradient backward ran, its input and
+  output gradient included: what W reads, held until W under a split backward (by the
+  allocator, :func:`pipetrain.memory.allocated_bytes`; the activation bytes where it cannot be read).
 * ``output_bytes``: its output's distinct storages (what crosses a cut; a recomputed stage keeps
   only its input, the previous layer's output).
 * ``static_bytes``: its parameters and buffers held for the whole step: weights, gradients and
@@ -32,6 +35,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map_only
 
+from pipetrain.errors import PipelineError
 from pipetrain.plan import LayerCost, static_bytes_for
 from pipetrain.split import _fresh_input, _named_layers
 from pipetrain.stage import PipelineStage
@@ -134,13 +138,21 @@ def _time_stage(
     x: Any,
     with_loss: bool,
     repeats: int,
-) -> tuple[float, float, float]:
-    """Median F, I, W seconds of ``module`` as a (middle or last) pipeline stage."""
+) -> tuple[float, float, float, float | None]:
+    """Median F, I, W seconds of ``module`` as a (middle or last) pipeline stage, and the bytes it
+    holds once I ran (until W, under a split backward), its input and output gradient included,
+    by the allocator (None where it cannot be read). Summed over a stage's layers that counts each
+    boundary inside the stage once and the stage's own input and output gradient too (which the
+    memory model also counts as messages: a conservative overlap)."""
     stage = PipelineStage(module, 1, 3, device)
     samples: list[tuple[float, float, float]] = []
     grads: list[torch.Tensor] | None = None
+    wgrad: float | None = None
     for trial in range(repeats + 1):  # the first run warms up and is not counted
-        inp = _fresh_input(x)
+        # Trial 1 also counts what stays allocated from before its input was made until its I ran,
+        # input and output gradient included (W reads them): the layer's share of a stage's hold.
+        before = _allocated(device) if trial == 1 else None
+        inp = _fresh_input(tree_map_only(torch.Tensor, torch.clone, x) if before is not None else x)
         _sync(device)
         t0 = time.perf_counter()
         out = stage.forward_one_chunk(trial, (inp,))
@@ -153,9 +165,16 @@ def _time_stage(
             if grads is None:
                 gen = torch.Generator(device="cpu").manual_seed(trial)
                 grads = [torch.randn(t.shape, generator=gen, dtype=t.dtype).to(t.device) for t in roots]
-            stage.backward_one_chunk(trial, grad_outputs=list(grads), full=False)
+            given = [g.clone() for g in grads] if before is not None else list(grads)
+            stage.backward_one_chunk(trial, grad_outputs=given, full=False)
+            del given
         _sync(device)
         t2 = time.perf_counter()
+        if before is not None:
+            del out
+            out = None
+            after = _allocated(device)
+            wgrad = None if after is None else float(max(0, after - before))
         stage.backward_weight_one_chunk(trial)
         _sync(device)
         t3 = time.perf_counter()
@@ -166,7 +185,18 @@ def _time_stage(
     if isinstance(module, _WithLoss):
         module.output = None
     f, i, w = (statistics.median(s[k] for s in samples) for k in range(3))
-    return f, i, w
+    return f, i, w, wgrad
+
+
+def _allocated(device: torch.device) -> int | None:
+    """Bytes allocated now (pipetrain.memory), or None where this machine's allocator cannot be read."""
+    from pipetrain.memory import allocated_bytes
+
+    try:
+        _sync(device)
+        return allocated_bytes(device)
+    except PipelineError:
+        return None
 
 
 def profile_layers(
@@ -226,7 +256,7 @@ def profile_layers(
             shared = prev_out_keys & prev_saved.keys() & saved.storages.keys()
             if shared:  # the previous layer saved its output and this one its input: count it here only
                 costs[-1]["activation_bytes"] -= sum(prev_saved[key] for key in shared)
-            f, i, w = _time_stage(module, device, x, isinstance(module, _WithLoss), repeats)
+            f, i, w, wgrad = _time_stage(module, device, x, isinstance(module, _WithLoss), repeats)
             mine = [p for p in layer.parameters() if id(p) not in counted]
             counted.update(id(p) for p in mine)
             if static_bytes is not None:
@@ -244,6 +274,7 @@ def profile_layers(
                     "activation_bytes": float(saved.nbytes),
                     "output_bytes": float(sum(out_storages.values())),
                     "static_bytes": static,
+                    "weight_grad_bytes": wgrad,
                 }
             )
             prev_out_keys, prev_saved = set(out_storages), saved.storages

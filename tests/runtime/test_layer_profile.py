@@ -129,3 +129,28 @@ def test_saved_bytes_match_what_the_allocator_holds_after_the_forward() -> None:
     # profile_layers reports these counts.
     costs = profile_layers(model, x, loss_fn=_loss, target=y, repeats=1)
     assert [c.activation_bytes for c in costs] == [counted for counted, _ in pairs]
+
+
+def test_weight_grad_bytes_are_measured_and_reach_the_plan() -> None:
+    """What a layer holds from I until W (a split backward) is measured by the allocator, written to
+    the layers file and counted by the plan's costs (issue 28: the promise counts what W keeps)."""
+    import tempfile
+    from pathlib import Path
+
+    from torch import nn
+
+    from pipetrain import profile_layers
+    from pipetrain.plan import plan_pipeline, read_layers, write_layers
+
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64))
+    layers = profile_layers(mlp, torch.randn(128, 64), repeats=1)
+    last = layers[2]  # Linear(256, 64): W reads its input (128 x 256 floats) and its output's gradient
+    assert last.weight_grad_bytes is not None and last.weight_grad_bytes >= (128 * 256 + 128 * 64) * 4
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "layers.json"
+        write_layers(path, layers)
+        assert [x.weight_grad_bytes for x in read_layers(path)] == [x.weight_grad_bytes for x in layers]
+    plan = plan_pipeline(layers, num_ranks=1, num_microbatches=2, memory_limit=None, stages_per_rank=1, time_limit=0.5)
+    total = sum(x.weight_grad_bytes or 0.0 for x in layers)
+    assert plan.costs.per_stage("weight_grad_bytes", 1)[0] == pytest.approx(total)

@@ -150,7 +150,9 @@ def test_train_schedule_auto_plans_once_shares_and_trains(tmp_path: Path) -> Non
     memory = summary["memory"]
     assert memory["step"] == 2 and set(memory["ranks"]) == {"0", "1"}
     for rank, entry in memory["ranks"].items():
-        assert entry["measured_peak_bytes"] > 0 and entry["promised_total_bytes"] == plan["peak_memory_bytes"][rank]
+        # the promise beside the measure is the schedule as the runtime runs it (lowered, its message
+        # buffers and early receives counted): the plan's compute-only peak and more
+        assert entry["measured_peak_bytes"] > 0 and entry["promised_total_bytes"] >= plan["peak_memory_bytes"][rank]
         assert 0 < entry["promised_peak_bytes"] < entry["promised_total_bytes"]
     assert "memory of step 2 (above its start): rank 0 measured" in run.stdout
     assert "| rank | measured in the step | promised in the step |" in (out / "summary.md").read_text()

@@ -44,8 +44,8 @@ __all__ = [
 ]
 
 LAYERS_FORMAT = "pipetrain-layers"
-_FIELDS = ("name", "f", "i", "w", "b", "activation_bytes", "output_bytes", "static_bytes")
-_WRITTEN = ("name", "f", "i", "w", "activation_bytes", "output_bytes", "static_bytes")
+_FIELDS = ("name", "f", "i", "w", "b", "activation_bytes", "output_bytes", "static_bytes", "weight_grad_bytes")
+_WRITTEN = ("name", "f", "i", "w", "activation_bytes", "output_bytes", "static_bytes", "weight_grad_bytes")
 
 BYTES_PER_PARAMETER: dict[tuple[str, str], int] = {
     # (optimizer, precision): bytes per parameter for weights + gradients + optimizer state
@@ -97,7 +97,9 @@ class LayerCost:
     ``output_bytes`` its output (what crosses a cut to the next stage, and all that a
     recomputed stage keeps of its input); ``static_bytes`` what it holds for the whole step
     (parameters, gradients, optimizer state: :func:`static_bytes_for` counts them from a number
-    of parameters, or use :meth:`static_for`).
+    of parameters, or use :meth:`static_for`); ``weight_grad_bytes`` what it holds from its
+    input-gradient backward (I) until its weight-gradient backward (W) ends, under a split backward
+    (W's inputs and output gradients; default: ``activation_bytes``).
     """
 
     name: str
@@ -108,6 +110,7 @@ class LayerCost:
     output_bytes: float = 0.0
     static_bytes: float = 0.0
     b: float | None = None
+    weight_grad_bytes: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
@@ -141,6 +144,8 @@ class LayerCost:
             "output_bytes": _number(owner, "output_bytes", self.output_bytes),
             "static_bytes": _number(owner, "static_bytes", self.static_bytes),
         }
+        wgrad = self.weight_grad_bytes
+        values["weight_grad_bytes"] = values["activation_bytes"] if wgrad is None else _number(owner, "wgrad", wgrad)
         for key, value in values.items():
             object.__setattr__(self, key, value)
 

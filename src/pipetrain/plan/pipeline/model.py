@@ -47,6 +47,7 @@ class Profile:
         self.pi = prefix([layer.i or 0.0 for layer in self.layers])
         self.pw = prefix([layer.w or 0.0 for layer in self.layers])
         self.pa = prefix([layer.activation_bytes for layer in self.layers])
+        self.pg = prefix([layer.weight_grad_bytes or 0.0 for layer in self.layers])
         self.ps = prefix([layer.static_bytes for layer in self.layers])
         self.out = [layer.output_bytes for layer in self.layers]
         self.times = [layer.time for layer in self.layers]
@@ -61,6 +62,7 @@ class StageValues:
     i: tuple[float, ...]
     w: tuple[float, ...]
     act: tuple[float, ...]  # sum of activation_bytes
+    wgrad: tuple[float, ...]  # sum of weight_grad_bytes (what a split backward keeps from I until W)
     inp: tuple[float, ...]  # the input's size (previous layer's output; 0 for stage 0)
     msg: tuple[float, ...]  # the output's size (last layer's output)
     static: tuple[float, ...]
@@ -74,6 +76,7 @@ class StageValues:
             tuple(pi[b] - pi[a] for a, b in pairs),
             tuple(pw[b] - pw[a] for a, b in pairs),
             tuple(pa[b] - pa[a] for a, b in pairs),
+            tuple(profile.pg[b] - profile.pg[a] for a, b in pairs),
             tuple(out[a - 1] if a > 0 else 0.0 for a, _ in pairs),
             tuple(out[b - 1] for _, b in pairs),
             tuple(ps[b] - ps[a] for a, b in pairs),
@@ -94,6 +97,7 @@ class StageValues:
             w=[self.w[s] + extra[s] for s in range(n)],
             comm=comm,
             activation_bytes=[self.held(s, recompute) for s in range(n)],
+            weight_grad_bytes=[self.inp[s] if s in recompute else self.wgrad[s] for s in range(n)],
             message_bytes=list(self.msg),
             static_bytes=list(self.static),
             transient_bytes=[self.act[s] if s in recompute else 0.0 for s in range(n)],
