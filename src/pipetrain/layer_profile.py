@@ -165,7 +165,7 @@ def _time_stage(
             if grads is None:
                 gen = torch.Generator(device="cpu").manual_seed(trial)
                 grads = [torch.randn(t.shape, generator=gen, dtype=t.dtype).to(t.device) for t in roots]
-            given = [g.clone() for g in grads] if before is not None else list(grads)
+            given: list[torch.Tensor | None] = [g.clone() if before is not None else g for g in grads]
             stage.backward_one_chunk(trial, grad_outputs=given, full=False)
             del given
         _sync(device)
