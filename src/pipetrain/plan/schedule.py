@@ -7,13 +7,12 @@ It reads and writes torch.distributed.pipelining's CSV format and a JSON form of
 
 from __future__ import annotations
 
-import csv
-import io
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from operator import itemgetter
 from typing import Any, cast
 
+from pipetrain.plan._csvio import csv_text, parse_csv_text
 from pipetrain.plan._jsonio import (
     is_json_text,
     parse_json_text,
@@ -23,7 +22,7 @@ from pipetrain.plan._jsonio import (
     write_json,
 )
 from pipetrain.plan._text import align_columns, count
-from pipetrain.plan.actions import Action, ActionKind, make_action, parse_torch_wait, torch_wait
+from pipetrain.plan.actions import Action, ActionKind
 from pipetrain.plan.errors import ScheduleError
 
 __all__ = ["Schedule", "is_schedule_file"]
@@ -368,22 +367,18 @@ class Schedule:
     # ------------------------------------------------------------------ CSV
     def to_csv_text(self, *, torch_waits: bool = False) -> str:
         """The text :meth:`to_csv` writes."""
-        buf = io.StringIO()
-        writer = csv.writer(buf)
-        waits = torch_waits and self.is_lowered
-        for rank in range(self.num_ranks):
-            program = self._actions[rank]
-            writer.writerow(_with_torch_waits(program) if waits else ["" if a is None else str(a) for a in program])
-        return buf.getvalue()
+        programs = [self._actions[rank] for rank in range(self.num_ranks)]
+        return csv_text(programs, torch_waits=torch_waits and self.is_lowered)
 
     def to_csv(self, path: str | os.PathLike[str], *, torch_waits: bool = False) -> None:
         """Write torch's CSV format: one row per rank, one cell per step, empty = idle.
 
         ``torch_waits``: a lowered schedule in torch 2.15's lowered ("compute_comms") format,
         which torch 2.15 requires and torch 2.13 cannot read: with the WAIT_SEND_F, WAIT_SEND_B
-        and WAIT_REDUCE_GRAD that torch's lowering places (see :func:`_with_torch_waits`), and
-        without idle cells (torch 2.15 refuses them there). A compute-only schedule has nothing
-        to wait for: it is written the same either way. :meth:`from_csv` reads both forms.
+        and WAIT_REDUCE_GRAD that torch's lowering places (see
+        :func:`~pipetrain.plan._csvio._with_torch_waits`), and without idle cells (torch 2.15
+        refuses them there). A compute-only schedule has nothing to wait for: it is written the
+        same either way. :meth:`from_csv` reads both forms.
         """
         with open(path, "w", newline="", encoding="utf-8") as fh:
             fh.write(self.to_csv_text(torch_waits=torch_waits))
@@ -391,30 +386,7 @@ class Schedule:
     @classmethod
     def from_csv_text(cls, text: str, *, name: str = "") -> Schedule:
         """Parse torch's CSV format; sizes and placement are inferred (waits: see :meth:`from_csv`)."""
-        if "\x00" in text:
-            raise ScheduleError("CSV contains a NUL byte; is this a schedule file?")
-        try:
-            rows = list(csv.reader(io.StringIO(text, newline="")))
-        except csv.Error as err:
-            raise ScheduleError(f"malformed CSV: {err}") from None
-        if not rows:
-            raise ScheduleError("the CSV holds no rows; expected one row per rank")
-        actions: dict[int, list[Action | None]] = {}
-        for rank, row in enumerate(rows):
-            parsed: list[Action | None] = []
-            waits: list[tuple[int, Action, int, str]] = []  # (place in parsed, awaited action, step, cell)
-            for step, cell in enumerate(row):
-                try:
-                    if _WAIT in cell and (awaited := parse_torch_wait(cell)) is not None:
-                        waits.append((len(parsed), awaited, step, cell))  # dropped, its cell with it
-                        continue
-                    parsed.append(Action.parse(cell))
-                except ScheduleError as err:
-                    raise ScheduleError(f"rank {rank}, step {step}: {err}") from None
-            if waits:
-                _check_torch_waits(rank, parsed, waits)
-            actions[rank] = parsed
-        return cls(actions, name=name)
+        return cls(parse_csv_text(text), name=name)
 
     @classmethod
     def from_csv(cls, path: str | os.PathLike[str]) -> Schedule:
@@ -542,60 +514,6 @@ class Schedule:
         """Read a ``.json`` or ``.csv`` schedule file by its extension (a path, whatever its name)."""
         return cls._from_json_file(path) if os.fspath(path).lower().endswith(".json") else cls.from_csv(path)
 
-
-_WAIT = "WAIT_"  # in every torch wait cell: the one test the reader makes of the others
-
-
-def _with_torch_waits(program: Sequence[Action | None]) -> list[str]:
-    """A lowered rank program's cells in torch 2.15's lowered format, waits placed by torch's rule
-    (its ``_add_reduce_grad`` and ``_add_wait_send`` passes at their defaults): a WAIT_REDUCE_GRAD
-    right after its REDUCE_GRAD; the WAIT_SEND_F of a stage's forward send right after that stage's
-    backward (B or I) of the same microbatch, which shows the receiver took it; every other send's
-    wait (SEND_B, and a forward send no backward of its own follows) at the end of the row, in the
-    order of the sends. Idle cells are left out."""
-    cells: list[str] = []
-    pending: dict[Action, None] = {}  # sends not yet awaited, in order
-    for action in program:
-        if action is None:
-            continue
-        cells.append(str(action))
-        kind = action.kind
-        if kind is ActionKind.SEND_F or kind is ActionKind.SEND_B:
-            pending[action] = None
-        elif kind is ActionKind.REDUCE_GRAD:
-            cells.append(torch_wait(action))
-        elif kind.is_compute:
-            for part in action.parts:
-                if part.kind.is_backward:
-                    send = make_action(part.stage, ActionKind.SEND_F, part.microbatch)
-                    if send in pending:
-                        del pending[send]
-                        cells.append(torch_wait(send))
-    cells.extend(torch_wait(send) for send in pending)
-    return cells
-
-
-def _check_torch_waits(
-    rank: int, parsed: Sequence[Action | None], waits: Sequence[tuple[int, Action, int, str]]
-) -> None:
-    """Each wait of a rank's row must come after the send or REDUCE_GRAD it waits for, once (as in
-    torch's own check): ``waits`` holds, per wait, its place among the ``parsed`` actions. O(row)."""
-    issued: set[Action] = set()
-    done = 0
-    for place, awaited, step, cell in waits:
-        for action in parsed[done:place]:
-            if action is not None and action.kind in _AWAITED:
-                issued.add(action)
-        done = place
-        if awaited not in issued:
-            raise ScheduleError(
-                f"rank {rank}, step {step}: {cell.strip()} waits for {awaited}, but rank {rank} has no "
-                f"{awaited} before it still to wait for"
-            )
-        issued.remove(awaited)
-
-
-_AWAITED = frozenset({ActionKind.SEND_F, ActionKind.SEND_B, ActionKind.REDUCE_GRAD})
 
 _MAX_DECLARED_RANKS = 1 << 20
 """More ranks than any pipeline has: a declared num_ranks beyond it is a typo, and each rank costs a list."""
