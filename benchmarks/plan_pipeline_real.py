@@ -3,7 +3,7 @@
 Issue 29's target: the planned pipeline's median tokens/s ≥ 1.15× ZB-V's on the even cut (equal
 blocks per stage, the embedding with the first stage and the head with the last), over 5 runs of
 each, alternating which goes first so both see the same machine. Run:
-``python benchmarks/plan_pipeline_real.py [--runs 5] [--steps 12] [--model bpe]``.
+``python benchmarks/plan_pipeline_real.py [--runs 5] [--steps 20] [--model bpe]``.
 
 Each run is a fresh `pipetrain train` (2 spawned gloo ranks, one thread each). Its tokens/s are
 a step's tokens over the median wall time of its steps after the first ``--warmup`` (from the
@@ -76,7 +76,7 @@ def head_cost(plan: dict[str, Any]) -> tuple[float, float, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5, help="runs of each (default 5)")
-    parser.add_argument("--steps", type=int, default=12, help="steps per run (default 12)")
+    parser.add_argument("--steps", type=int, default=20, help="steps per run (default 20)")
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of tokens/s (default 2)")
     parser.add_argument("--model", default="bpe")
     parser.add_argument("--microbatches", type=int, default=8)
