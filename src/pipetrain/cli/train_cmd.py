@@ -122,7 +122,7 @@ def _add_run_arguments(train: Any, steps: int = _DEFAULTS["steps"]) -> None:
         choices=("tiny", "small", "base", "bpe"),
         help="model size (default %(default)s): tiny, small and base read bytes (vocabulary 256); bpe has "
         "8,192 tokens of a BPE learnt from the training text on first use (cached), and a head and loss "
-        "costing about 2.7 blocks, as in Llama-3",
+        "costing 2 to 3 blocks, as in Llama-3",
     )
     train.add_argument("--lr", type=float, default=_DEFAULTS["lr"], help="Adam learning rate (default %(default)s)")
     train.add_argument(

@@ -133,21 +133,47 @@ def _cut_names(model: GPT, parts: list[nn.Module]) -> list[list[str]]:
 def _layer_profile(
     env: DistEnv, cfg: TrainConfig, model: GPT, data: TextData, device: torch.device
 ) -> tuple[list[Any], float, str | None]:
-    """Rank 0's per-layer profile of ``model`` on one microbatch of the training data, and the
-    message latency between ranks 0 and 1 for a block's output (a collective). On other ranks no
-    layers. The error, if profiling failed, as text."""
+    """The per-layer profile of ``model`` on one microbatch of the training data, on rank 0, and the
+    message latency between ranks 0 and 1 for a block's output (a collective; other ranks get no
+    layers). The error, if profiling failed, as text.
+
+    Every rank profiles at once (each holds the whole model) and rank 0 takes each layer's median
+    time over the ranks: the layers are timed as they will run, beside the other ranks' work (on a
+    CPU the ranks share memory bandwidth and caches; a layer timed alone runs faster than in a
+    pipeline that keeps every rank busy), and one rank's bad luck on a busy machine is outvoted."""
     from pipetrain.train.auto import measure_latency, profile_model
 
     rows = -(-cfg.batch_size // cfg.microbatches)
     x, y = data.batch(0, rows, model.cfg.seq_len, seed=cfg.seed)
     latency = measure_latency(rows * model.cfg.seq_len * model.cfg.d_model * 4, device)
-    if env.rank != 0:
-        return [], latency, None
+    mine: list[Any] = []
+    error: str | None = None
+    dist.barrier()  # start together, so the ranks run their layers side by side
     try:
         model.to(device)
-        return profile_model(model, x.to(device), y.to(device), lm_loss), latency, None
+        mine = profile_model(model, x.to(device), y.to(device), lm_loss)
     except (ScheduleError, PipelineError, ValueError, RuntimeError) as err:
-        return [], latency, f"profiling the layers failed: {err}"
+        error = f"profiling the layers failed on rank {env.rank}: {err}"
+    everyone: list[Any] = [None] * env.world_size
+    dist.all_gather_object(everyone, ([layer.to_dict() for layer in mine], error))
+    if env.rank != 0:
+        return [], latency, None
+    errors = [e for _, e in everyone if e is not None]
+    if errors:
+        return [], latency, errors[0]
+    return _median_layers(mine, [profile for profile, _ in everyone]), latency, None
+
+
+def _median_layers(own: list[Any], profiles: list[list[dict[str, Any]]]) -> list[Any]:
+    """``own`` (rank 0's layers) with each layer's f, i and w the median over ``profiles``."""
+    import statistics
+    from dataclasses import replace
+
+    out = []
+    for k, layer in enumerate(own):
+        times = {key: statistics.median(p[k][key] for p in profiles) for key in ("f", "i", "w")}
+        out.append(replace(layer, f=times["f"], i=times["i"], w=times["w"], b=None))
+    return out
 
 
 # ----------------------------------------------------------------------------- memory

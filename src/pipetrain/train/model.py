@@ -5,10 +5,12 @@ Layer list: ``[Embedding, Block × n_layers, Head]``. Every layer maps one tenso
 
 Presets (``MODEL_SIZES``): ``tiny`` keeps tests fast, ``small`` is the demo's default, ``base`` is
 wider and deeper, all three on bytes (vocabulary 256), so their head is cheap. ``bpe`` has a real
-vocabulary, 8,192 tokens of a BPE learnt offline from the training text, and is sized so that its
-head and loss cost what a Llama-3's do: about 2.7 transformer blocks on a CPU (measured:
-benchmarks/plan_pipeline_real.py prints the ratio), while its embedding costs next to nothing in
-time but holds as many parameters as the head. Where the cut falls matters for it.
+vocabulary, 8,192 tokens of a BPE learnt offline from the training text, and is sized (d_model
+224, 8 blocks) so that its head and loss cost what a Llama-3's do, 2 to 3 transformer blocks: on
+one CPU thread, F+I+W of a microbatch of 2 sequences, 2.2 blocks by the fastest of 40 runs and 2.4
+by the medians ``--schedule auto`` profiles (benchmarks/plan_pipeline_real.py prints it), while
+its embedding costs a third of a block in time but holds as many parameters as the head (1.8M).
+Where the cut falls matters for it.
 """
 
 from __future__ import annotations
@@ -50,12 +52,12 @@ class GPTConfig:
 
 
 # Named sizes for the command line: "tiny" keeps tests fast, "small" is the demo's default,
-# "bpe" has a real vocabulary and a head costing about 2.7 blocks (see the module's docstring).
+# "bpe" has a real vocabulary and a head costing 2 to 3 blocks (see the module's docstring).
 MODEL_SIZES: dict[str, GPTConfig] = {
     "tiny": GPTConfig(seq_len=32, d_model=32, n_heads=2, n_layers=2),
     "small": GPTConfig(),
     "base": GPTConfig(seq_len=128, d_model=256, n_heads=8, n_layers=8),
-    "bpe": GPTConfig(vocab_size=8192, tokenizer="bpe", seq_len=64, d_model=256, n_heads=8, n_layers=8),
+    "bpe": GPTConfig(vocab_size=8192, tokenizer="bpe", seq_len=64, d_model=224, n_heads=7, n_layers=8),
 }
 
 CUTS = ("even", "params", "time")
