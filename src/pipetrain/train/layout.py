@@ -83,7 +83,13 @@ def layout(env: DistEnv, cfg: TrainConfig, device: torch.device, data: TextData)
 def _auto_layout(env: DistEnv, cfg: TrainConfig, device: torch.device, data: TextData) -> Layout:
     """``--schedule auto``: rank 0 profiles the model's layers and plans; every rank gets the plan and
     cuts its model by it."""
-    from pipetrain.train.auto import build_stages, machine_memory_per_rank, plan_layers, share_plan
+    from pipetrain.train.auto import (
+        build_stages,
+        machine_memory_per_rank,
+        plan_layers,
+        share_plan,
+        with_optimizer_time,
+    )
 
     mcfg = cfg.auto_model_config(env.world_size)
     torch.manual_seed(cfg.seed)
@@ -101,8 +107,9 @@ def _auto_layout(env: DistEnv, cfg: TrainConfig, device: torch.device, data: Tex
             stages = 2 * env.world_size  # the named schedule to compare with: ZB-V on the default (even) cut
             even = _cut_names(model, list(model.split(stages))) if len(model) >= stages else None
             try:
+                timed = with_optimizer_time(layers, model, cfg.microbatches, cfg.lr)
                 plan = plan_layers(
-                    layers,
+                    timed,
                     env.world_size,
                     cfg.microbatches,
                     limit,
@@ -112,6 +119,11 @@ def _auto_layout(env: DistEnv, cfg: TrainConfig, device: torch.device, data: Tex
                     time_limit=cfg.plan_time_limit,
                     baseline=("ZBVZeroBubble", even) if even is not None else None,
                 )
+                # The summary keeps the profile as measured, and the optimizer's share planned with.
+                plan.summary["layers"] = [layer.to_dict() for layer in layers]
+                plan.summary["optimizer_s_per_microbatch"] = {
+                    t.name: t.w - layer.w for t, layer in zip(timed, layers, strict=True)
+                }
             except (ScheduleError, PipelineError, ValueError) as err:
                 plan = str(err)
     shared = share_plan(plan)
