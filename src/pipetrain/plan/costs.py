@@ -212,29 +212,6 @@ class Costs:
             share="stage",
         )
 
-    def as_rank_share(self, stages_per_rank: int) -> Costs:
-        """Plain per-stage costs as the share of a rank holding ``stages_per_rank`` such stages
-        (the inverse of :meth:`cut_into`); costs already a rank's share, or fixing their stages
-        with sequences, stay as they are."""
-        if self.share == "rank" or self.fixes_stages:
-            return self
-
-        def whole(value: PerStage | None) -> PerStage | None:
-            return value * stages_per_rank if isinstance(value, float) else value
-
-        return replace(
-            self,
-            f=whole(self.f) or 0.0,
-            b=whole(self.b),
-            i=whole(self.i),
-            w=whole(self.w),
-            activation_bytes=whole(self.activation_bytes),
-            weight_grad_bytes=whole(self.weight_grad_bytes),
-            static_bytes=whole(self.static_bytes),
-            transient_bytes=whole(self.transient_bytes),
-            share="rank",
-        )
-
     def for_schedule(self, schedule: Schedule) -> Costs:
         """These costs per stage of ``schedule``: unchanged for per-stage costs; a rank's share is
         cut into the stages each rank holds (V when every rank holds V, else one: stages spread

@@ -7,13 +7,14 @@ Without a memory limit the planners prefer less memory over a small simulated ga
 schedules within :data:`MEMORY_TOLERANCE` (1 %) of the fastest makespan, the one holding the
 least memory (:attr:`Plan.faster` then names the fastest, and what it would cost).
 
-Units (one meaning of :class:`Costs` everywhere). Per-stage cost *sequences* are measurements of
+Units. Per-stage cost *sequences* are measurements of
 an already cut model: they fix the number of stages (``len(f)`` must be a multiple of
 ``num_ranks``). Plain numbers of ``Costs.per_rank(...)`` are one rank's share of the model for one
 microbatch; cut into ``v`` stages per rank, each stage takes 1/v of it (and holds 1/v of the
 activation bytes), which is how schedules with different stage counts compete on one model.
-Plain numbers of ``Costs(...)`` are one stage's, so they need ``stages_per_rank`` (or a
-placement: two stages per rank) to say how many stages a rank holds. ``memory_limit`` is in bytes when
+The planners read plain numbers of ``Costs(...)`` the same way (DESIGN §3's contract for
+``auto_schedule``), where :func:`~pipetrain.plan.simulate` reads them per stage: give
+``Costs.per_rank(...)`` to have both read them as a rank's share. ``memory_limit`` is in bytes when
 ``costs.activation_bytes`` is given, else in units of one microbatch's activations of one rank's
 whole share (1F1B's rank 0 holds ``num_ranks`` of them).
 """
@@ -95,20 +96,6 @@ def _fixed_stages(costs: Costs, num_ranks: int) -> int | None:
     return n // num_ranks
 
 
-def _rank_share(costs: Costs, stages_per_rank: int | None, placement: str | None, who: str) -> Costs:
-    """``costs`` as the planners read them inside: plain numbers a rank's share, sequences per stage."""
-    if costs.share == "rank" or costs.fixes_stages:
-        return costs
-    v = stages_per_rank or (2 if placement is not None else None)
-    if v is None:
-        raise ScheduleError(
-            f"{who}: Costs({costs}) gives one stage's costs but not how many stages a rank holds: pass "
-            f"stages_per_rank=, or give Costs.per_rank(...) (a rank's share of the model) to let {who} choose "
-            "how to cut it"
-        )
-    return costs.as_rank_share(v)
-
-
 def _count(label: str, value: object) -> int:
     """``value`` as an int >= 1 (numpy integers too), else a ScheduleError naming ``label``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
@@ -168,7 +155,6 @@ def rank_schedules(
     num_ranks, num_microbatches, memory_limit, stages_per_rank = _checked_sizes(
         num_ranks, num_microbatches, costs, memory_limit, stages_per_rank
     )
-    costs = _rank_share(costs, stages_per_rank, None, "rank_schedules")
     pairs = _pairs(num_ranks, costs, _name_list(names), stages_per_rank, deadline is not None)
     return _rank(num_ranks, num_microbatches, costs, memory_limit, pairs, deadline)[0]
 
@@ -278,10 +264,11 @@ def auto_schedule(
     two); ``names`` restricts the named schedules considered. Raises ScheduleError when nothing
     fits, naming the least memory a layout needs.
 
-    ``costs`` mean what they mean everywhere: ``Costs.per_rank(...)`` a rank's share of the model
-    (the search cuts it into each layout's stages, as the CLI's ``--costs``), ``Costs(...)`` one
-    stage (then ``stages_per_rank`` or ``placement`` says how many a rank holds), sequences per
-    stage. ``simulate(best, costs)`` reproduces the search's makespan and memory.
+    Plain numbers are one rank's share of the model (the search cuts them into each layout's
+    stages, as the CLI's ``--costs``); sequences are per stage. Give ``Costs.per_rank(...)`` and
+    ``simulate(best, costs)`` reproduces the search's makespan and memory (``simulate`` reads a
+    plain ``Costs(...)`` per stage: ``simulate(best, costs.cut_into(best.num_stages /
+    num_ranks))`` then does).
 
     Time: the named schedules are simulated first (zero-bubble families and 1 or 2 stages per rank
     first) for up to 0.4 of ``time_limit``; those not reached then are simulated after the
@@ -348,7 +335,6 @@ def plan_schedule(
         num_ranks, num_microbatches, costs, memory_limit, stages_per_rank
     )
     listed = _name_list(names)
-    costs = _rank_share(costs, stages_per_rank, placement, "auto_schedule")
     fixed = _fixed_stages(costs, num_ranks)
     if placement is not None and fixed is None and stages_per_rank is None:
         stages_per_rank = 2  # (a placement is a layout of two stages per rank unless told otherwise)
