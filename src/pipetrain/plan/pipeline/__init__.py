@@ -7,8 +7,6 @@ docs/semantics.md ("Planning the whole pipeline") the memory model.
 
 from __future__ import annotations
 
-import math
-import numbers
 import time
 from collections.abc import Iterable
 from itertools import pairwise
@@ -30,6 +28,7 @@ from pipetrain.plan.pipeline.model import Profile
 from pipetrain.plan.pipeline.result import PipelinePlan, megatron_layout, parse_megatron_layout
 from pipetrain.plan.pipeline.search import HandSplit, Search, layouts_for
 from pipetrain.plan.search import Candidate as NamedCandidate
+from pipetrain.plan.search import _count, _finite
 
 __all__ = [
     "BYTES_PER_PARAMETER",
@@ -48,24 +47,6 @@ __all__ = [
     "static_bytes_for",
     "write_layers",
 ]
-
-
-def _count(label: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ScheduleError(f"{label} must be an integer >= 1, got {value!r}")
-    return int(value)
-
-
-def _nonnegative(label: str, value: object, *, positive: bool = False) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Real)
-        or not math.isfinite(value)
-        or value < 0
-        or (positive and value == 0)
-    ):
-        raise ScheduleError(f"{label} must be a finite number {'>' if positive else '>='} 0, got {value!r}")
-    return float(value)
 
 
 def plan_pipeline(
@@ -109,8 +90,8 @@ def plan_pipeline(
         raise ScheduleError(f"placement must be 'loop' or 'v', got {placement!r}")
     if placement == "v" and v not in (None, 2):
         raise ScheduleError(f"placement 'v' needs 2 stages per rank, got stages_per_rank={v}")
-    latency = _nonnegative("comm", comm)
-    seconds = _nonnegative("time_limit (seconds)", time_limit, positive=True)
+    latency = _finite("comm", comm)
+    seconds = _finite("time_limit (seconds)", time_limit, positive=True)
     profile = Profile(checked)
     searched, extra = layouts_for(ranks, micro, profile.n, v, placement, latency)
     if not searched:
