@@ -13,13 +13,12 @@ from pipetrain.cli.common import (
     RANK_SHARES,
     STAGE_ACT,
     UNITS,
-    held_per_rank,
     read_costs_file,
     schedule_output,
     write_schedule,
 )
 from pipetrain.cli.pipeline_cmd import LAYERS_HELP, memory_limit_bytes, plan_layers
-from pipetrain.plan.costs import Costs
+from pipetrain.plan.costs import Costs, held_per_rank
 from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.search import MEMORY_TOLERANCE, plan_schedule, rank_schedules
 from pipetrain.plan.simulate import simulate

@@ -30,14 +30,6 @@ UNITS = (
 """What the peak memory columns of simulate, compare and plan count (printed under their tables)."""
 
 
-def held_per_rank(schedule: Schedule) -> int:
-    """V when every rank holds V stages (plain costs, one rank's share, are then cut into V), else 1:
-    stages spread unevenly, or a rank holding none, take plain costs per stage. One rule for every
-    command that reads ``--costs``."""
-    held = [len(schedule.stages_of(r)) for r in range(schedule.num_ranks)]
-    return held[0] if held and min(held) == max(held) > 0 else 1
-
-
 def schedule_from_args(source: str, args: argparse.Namespace) -> Schedule:
     """A schedule named on the command line, or read from a .csv / .json file."""
     if is_schedule_file(source):

@@ -15,13 +15,12 @@ from pipetrain.cli.common import (
     STAGE_ACT,
     UNITS,
     add_size_arguments,
-    held_per_rank,
     output_path,
     read_costs_file,
     require,
     schedule_from_args,
 )
-from pipetrain.plan.costs import Costs
+from pipetrain.plan.costs import Costs, held_per_rank
 from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.generators import build_schedule, schedule_names
 from pipetrain.plan.schedule import Schedule, is_schedule_file

@@ -20,7 +20,16 @@ from pipetrain.plan.errors import ScheduleError
 if TYPE_CHECKING:
     from pipetrain.plan.schedule import Schedule
 
-__all__ = ["Costs", "PerStage"]
+__all__ = ["Costs", "PerStage", "held_per_rank"]
+
+
+def held_per_rank(schedule: Schedule) -> int:
+    """V when every rank holds V stages (a rank's share is then cut into V), else 1: stages spread
+    unevenly, or a rank holding none, take a rank's share per stage. One rule for ``simulate`` and
+    every command that reads ``--costs``."""
+    held = [len(schedule.stages_of(r)) for r in range(schedule.num_ranks)]
+    return held[0] if held and min(held) == max(held) > 0 else 1
+
 
 PerStage = float | Sequence[float]
 """A number used for every stage, or one number per stage."""
@@ -216,11 +225,7 @@ class Costs:
         """These costs per stage of ``schedule``: unchanged for per-stage costs; a rank's share is
         cut into the stages each rank holds (V when every rank holds V, else one: stages spread
         unevenly take a rank's share each)."""
-        if self.share == "stage":
-            return self
-        held = [len(schedule.stages_of(r)) for r in range(schedule.num_ranks)]
-        v = held[0] if held and min(held) == max(held) > 0 else 1
-        return self.cut_into(v)
+        return self if self.share == "stage" else self.cut_into(held_per_rank(schedule))
 
     # ------------------------------------------------------------ lookups
 
