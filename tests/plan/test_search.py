@@ -174,3 +174,28 @@ def test_without_a_memory_limit_less_memory_wins_within_the_tolerance(
     gain = 100 * (1 - fastest.result.makespan / named.makespan)
     assert f"LoopedBFS (v=4) would be {gain:.2g} % faster (makespan 102.7) at 4x the memory (32 rank shares);" in text
     assert "within 1 % of the fastest, plan takes the least memory: --memory-limit 32 takes the fastest" in text
+
+
+@pytest.mark.parametrize("form", ["plain", "per_rank"])
+def test_one_meaning_of_costs_simulate_reproduces_the_plan(form: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 30's trial: plan with some costs, then simulate the result with the same costs. Plain
+    Costs(...) price a stage and Costs.per_rank(...) a rank's share in every function, so the two
+    always agree; per_rank's numbers are also what the command line prints for the same --costs."""
+    values = {"f": 1.0, "b": 2.0, "comm": 0.1}
+    costs = Costs(**values) if form == "plain" else Costs.per_rank(**values)
+    plan = plan_schedule(4, 8, costs, 4, time_limit=0.5)
+    best = auto_schedule(4, 8, costs=costs, memory_limit=4, time_limit=0.5)
+    sim = simulate(best, costs)
+    assert sim.makespan == pytest.approx(plan.makespan)
+    v = best.num_stages // 4
+    assert sim.max_peak_memory / (1 if form == "plain" else v) <= 4 + 1e-9
+    if form == "plain":  # a layout with more stages per rank is a deeper model: it prices each stage alike
+        assert all(
+            simulate(c.schedule, costs).makespan == pytest.approx(c.result.makespan)
+            for c in rank_schedules(4, 8, costs)
+        )
+    else:
+        assert main(["plan", "-p", "4", "-m", "8", "--costs", "f=1,b=2,comm=0.1", "--memory-limit", "4",
+                     "--time-limit", "0.5"]) == 0  # fmt: skip
+        chosen = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("->")).split()
+        assert float(chosen[2]) == pytest.approx(sim.makespan, rel=0.02)  # searches differ by seed/time only

@@ -120,7 +120,8 @@ class Costs:
     ``share``: ``"stage"`` (the default) when plain numbers describe one stage, ``"rank"`` when
     they describe one rank's share of the model (:meth:`per_rank`); :meth:`for_schedule` turns
     the latter into per-stage costs for a given schedule. Per-stage sequences always describe
-    stages as they are.
+    stages as they are. Every function reads them alike (``simulate``, ``auto_schedule``,
+    ``plan_schedule``); the command line's ``--costs`` is a rank's share.
     """
 
     f: PerStage = _DEFAULT
@@ -220,6 +221,17 @@ class Costs:
             transient_bytes=part(self.transient_bytes),
             share="stage",
         )
+
+    def for_layout(self, stages_per_rank: float) -> Costs:
+        """These costs per stage of a layout with ``stages_per_rank`` stages on every rank:
+        unchanged for per-stage costs, a rank's share cut into them (:meth:`cut_into`)."""
+        return self if self.share == "stage" else self.cut_into(stages_per_rank)
+
+    @property
+    def prices_one_stage(self) -> bool:
+        """Whether these are plain numbers for one stage (not a rank's share, not a sequence): the
+        planners then count memory in one stage's activations, not a rank's share's."""
+        return self.share == "stage" and not self.fixes_stages
 
     def for_schedule(self, schedule: Schedule) -> Costs:
         """These costs per stage of ``schedule``: unchanged for per-stage costs; a rank's share is

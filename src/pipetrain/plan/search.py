@@ -7,16 +7,18 @@ Without a memory limit the planners prefer less memory over a small simulated ga
 schedules within :data:`MEMORY_TOLERANCE` (1 %) of the fastest makespan, the one holding the
 least memory (:attr:`Plan.faster` then names the fastest, and what it would cost).
 
-Units. Per-stage cost *sequences* are measurements of
-an already cut model: they fix the number of stages (``len(f)`` must be a multiple of
-``num_ranks``). Plain numbers of ``Costs.per_rank(...)`` are one rank's share of the model for one
-microbatch; cut into ``v`` stages per rank, each stage takes 1/v of it (and holds 1/v of the
-activation bytes), which is how schedules with different stage counts compete on one model.
-The planners read plain numbers of ``Costs(...)`` the same way (DESIGN §3's contract for
-``auto_schedule``), where :func:`~pipetrain.plan.simulate` reads them per stage: give
-``Costs.per_rank(...)`` to have both read them as a rank's share. ``memory_limit`` is in bytes when
-``costs.activation_bytes`` is given, else in units of one microbatch's activations of one rank's
-whole share (1F1B's rank 0 holds ``num_ranks`` of them).
+Units: one meaning of :class:`Costs` everywhere. ``Costs(...)`` describes one stage, as in
+:func:`~pipetrain.plan.simulate`: every layout is simulated with each of its stages costing that
+(so a layout with more stages per rank is a deeper model, and rarely wins). ``Costs.per_rank(...)``
+describes one rank's share of one model for one microbatch: cut into ``v`` stages per rank, each
+stage takes 1/v of it (and holds 1/v of the activation bytes), which is how layouts with
+different stage counts compete on one model (the command line's ``--costs`` means this).
+Per-stage cost *sequences* are measurements of an already cut model: they fix the number of
+stages (``len(f)`` must be a multiple of ``num_ranks``). Either way ``simulate(best, costs)``
+reproduces the planner's makespan and memory. ``memory_limit`` is in bytes when
+``costs.activation_bytes`` is given, else in units of one microbatch's activations of a stage
+(plain ``Costs(...)``) or of a rank's whole share (``per_rank`` or sequences; 1F1B's rank 0 holds
+``num_ranks`` of them).
 """
 
 from __future__ import annotations
@@ -200,12 +202,12 @@ def _rank(
             continue
         if schedule.num_stages != num_ranks * v:
             continue
-        stage_costs = costs if fixed else costs.cut_into(v)
+        stage_costs = costs if fixed else costs.for_layout(v)
         result = simulate(schedule, stage_costs, check=False)  # a generator's own output
         if result.peak_memory_bytes is not None:
             memory = max(result.peak_memory_bytes.values(), default=0.0)
-        else:
-            memory = result.max_peak_memory / v
+        else:  # in the units of memory_limit: a rank's share of a microbatch's activations, or a stage's
+            memory = result.max_peak_memory / (1 if costs.prices_one_stage else v)
         fits = memory_limit is None or memory <= memory_limit + 1e-9
         candidates.append(Candidate(name, v, schedule, result, memory, fits))
     return sorted(candidates, key=_rank_key), []
@@ -264,11 +266,10 @@ def auto_schedule(
     two); ``names`` restricts the named schedules considered. Raises ScheduleError when nothing
     fits, naming the least memory a layout needs.
 
-    Plain numbers are one rank's share of the model (the search cuts them into each layout's
-    stages, as the CLI's ``--costs``); sequences are per stage. Give ``Costs.per_rank(...)`` and
-    ``simulate(best, costs)`` reproduces the search's makespan and memory (``simulate`` reads a
-    plain ``Costs(...)`` per stage: ``simulate(best, costs.cut_into(best.num_stages /
-    num_ranks))`` then does).
+    ``Costs(...)`` prices one stage, as ``simulate`` reads it; ``Costs.per_rank(...)`` a rank's
+    share of one model, which the search cuts into each layout's stages (as the CLI's
+    ``--costs``), so layouts with different stage counts compete on one model. Either way
+    ``simulate(best, costs)`` reproduces the search's makespan and memory.
 
     Time: the named schedules are simulated first (zero-bubble families and 1 or 2 stages per rank
     first) for up to 0.4 of ``time_limit``; those not reached then are simulated after the
@@ -447,10 +448,10 @@ def layout_problem(
         if place == "v"
         else [s % num_ranks for s in range(num_ranks * v)]
     )
-    stage_costs = costs if per_stage else costs.cut_into(v)
+    stage_costs = costs if per_stage else costs.for_layout(v)
     n = num_ranks * v
     if stage_costs.activation_bytes is not None:
         weight = stage_costs.per_stage("activation_bytes", n)
     else:
-        weight = [1.0 / v] * n
+        weight = [1.0 if costs.prices_one_stage else 1.0 / v] * n
     return Problem.build(num_ranks, num_microbatches, rank_of, stage_costs, weight, memory_limit, place)
