@@ -5,7 +5,8 @@ of the one before (the first on ``sample_input``, one microbatch) and measures, 
 
 * ``f``, ``i``, ``w``: median seconds of its forward, its input-gradient backward (I) and its
   weight-gradient backward (W), run by :class:`~pipetrain.stage.PipelineStage` exactly as a
-  pipeline stage runs them (pipetrain's split backward). On a GPU each is timed between
+  pipeline stage runs them (pipetrain's split backward), over ``repeats`` rounds that each run
+  every layer once, after two untimed rounds (so drift touches all layers alike). On a GPU each is timed between
   ``synchronize`` calls. A layer whose input needs no gradient (an embedding of token ids) does
   all its backward in W, as a first stage does. The last layer's costs include ``loss_fn``.
 * ``activation_bytes``: what its forward keeps for backward, counted (not guessed from shapes):
@@ -132,60 +133,87 @@ def _default_static(params: Sequence[nn.Parameter], optimizer: str) -> float:
     return float(static_bytes_for(count, optimizer=optimizer, precision=_precision(params)))
 
 
-def _time_stage(
-    module: nn.Module,
-    device: torch.device,
-    x: Any,
-    with_loss: bool,
-    repeats: int,
-) -> tuple[float, float, float, float | None]:
-    """Median F, I, W seconds of ``module`` as a (middle or last) pipeline stage, and the bytes it
-    holds once I ran (until W, under a split backward), its input and output gradient included,
-    by the allocator (None where it cannot be read). Summed over a stage's layers that counts each
-    boundary inside the stage once and the stage's own input and output gradient too (which the
-    memory model also counts as messages: a conservative overlap)."""
-    stage = PipelineStage(module, 1, 3, device)
-    samples: list[tuple[float, float, float]] = []
-    grads: list[torch.Tensor] | None = None
-    wgrad: float | None = None
-    for trial in range(repeats + 1):  # the first run warms up and is not counted
-        # Trial 1 also counts what stays allocated from before its input was made until its I ran,
-        # input and output gradient included (W reads them): the layer's share of a stage's hold.
-        before = _allocated(device) if trial == 1 else None
-        inp = _fresh_input(tree_map_only(torch.Tensor, torch.clone, x) if before is not None else x)
+class _Timed:
+    """One layer run as a (middle or last) pipeline stage, for timing its F, I and W.
+
+    Stages are timed round by round, each round running every layer once in model order, so that
+    whatever drifts while profiling (a clock speeding up, the allocator warming, another rank's
+    work beside this one) touches every layer alike and the layers' times compare."""
+
+    def __init__(self, module: nn.Module, device: torch.device, x: Any, with_loss: bool) -> None:
+        self.stage = PipelineStage(module, 1, 3, device)
+        self.device = device
+        self.x = x
+        self.with_loss = with_loss
+        self.grads: list[torch.Tensor] | None = None
+        self.samples: list[tuple[float, float, float]] = []
+
+    def run(self, trial: int, record: bool) -> None:
+        """F, I and W on one microbatch, timed (``record``) or as a warm-up."""
+        device, stage = self.device, self.stage
+        inp = _fresh_input(self.x)
         _sync(device)
         t0 = time.perf_counter()
         out = stage.forward_one_chunk(trial, (inp,))
         _sync(device)
         t1 = time.perf_counter()
-        if with_loss:
-            stage.backward_one_chunk(trial, loss=out, full=False)
-        else:
-            roots = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-            if grads is None:
-                gen = torch.Generator(device="cpu").manual_seed(trial)
-                grads = [torch.randn(t.shape, generator=gen, dtype=t.dtype).to(t.device) for t in roots]
-            given: list[torch.Tensor | None] = [g.clone() if before is not None else g for g in grads]
-            stage.backward_one_chunk(trial, grad_outputs=given, full=False)
-            del given
+        self._input_grad(trial, out)
         _sync(device)
         t2 = time.perf_counter()
-        if before is not None:
-            del out
-            out = None
-            after = _allocated(device)
-            wgrad = None if after is None else float(max(0, after - before))
         stage.backward_weight_one_chunk(trial)
         _sync(device)
         t3 = time.perf_counter()
-        if trial > 0:
-            samples.append((t1 - t0, t2 - t1, t3 - t2))
+        if record:
+            self.samples.append((t1 - t0, t2 - t1, t3 - t2))
         del out
-    stage.clear()
-    if isinstance(module, _WithLoss):
-        module.output = None
-    f, i, w = (statistics.median(s[k] for s in samples) for k in range(3))
-    return f, i, w, wgrad
+
+    def _input_grad(self, trial: int, out: Any, copy: bool = False) -> None:
+        if self.with_loss:
+            self.stage.backward_one_chunk(trial, loss=out, full=False)
+            return
+        roots = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if self.grads is None:
+            gen = torch.Generator(device="cpu").manual_seed(0)
+            self.grads = [torch.randn(t.shape, generator=gen, dtype=t.dtype).to(t.device) for t in roots]
+        given: list[torch.Tensor | None] = [g.clone() if copy else g for g in self.grads]
+        self.stage.backward_one_chunk(trial, grad_outputs=given, full=False)
+
+    def held_until_w(self, trial: int) -> float | None:
+        """The bytes held once I ran (until W, under a split backward), its input and output gradient
+        included, by the allocator (None where it cannot be read). Summed over a stage's layers
+        that counts each boundary inside the stage once and the stage's own input and output
+        gradient too (which the memory model also counts as messages: a conservative overlap)."""
+        device = self.device
+        before = _allocated(device)
+        inp = _fresh_input(tree_map_only(torch.Tensor, torch.clone, self.x))
+        out = self.stage.forward_one_chunk(trial, (inp,))
+        del inp
+        self._input_grad(trial, out, copy=True)
+        del out
+        after = _allocated(device)
+        self.stage.backward_weight_one_chunk(trial)
+        return None if before is None or after is None else float(max(0, after - before))
+
+    def medians(self) -> tuple[float, float, float]:
+        f, i, w = (statistics.median(s[k] for s in self.samples) for k in range(3))
+        return f, i, w
+
+    def close(self) -> None:
+        self.stage.clear()
+        if isinstance(self.stage.submod, _WithLoss):
+            self.stage.submod.output = None
+
+
+def _time_all(timed: Sequence[_Timed], repeats: int, warmup: int = 2) -> list[tuple[float, float, float]]:
+    """Median F, I, W seconds of every layer over ``repeats`` rounds, after ``warmup`` untimed
+    rounds (one is not enough: measured, the first layers of a fresh process ran 40 % slower in
+    the second round than in the third, a head 30 %)."""
+    trial = 2  # chunk ids 0 and 1 went to each layer's first run and its bytes
+    for round_ in range(warmup + repeats):
+        for t in timed:
+            t.run(trial, record=round_ >= warmup)
+            trial += 1
+    return [t.medians() for t in timed]
 
 
 def _allocated(device: torch.device) -> int | None:
@@ -236,11 +264,13 @@ def profile_layers(
     held = [*params.values(), *(b for b, _ in buffers.values())]
 
     costs: list[dict[str, Any]] = []
+    timed: list[_Timed] = []
     counted: set[int] = set()
     prev_out_keys: set[tuple[torch.device, int]] = set()
     prev_saved: dict[tuple[torch.device, int], int] = {}
     x = sample_input
     try:
+        # Bytes, layer by layer: each layer's input is the output of the one before.
         for k, (name, layer) in enumerate(named):
             last = k == len(named) - 1
             module: nn.Module = _WithLoss(layer, loss_fn, target) if last and loss_fn is not None else layer
@@ -256,7 +286,10 @@ def profile_layers(
             shared = prev_out_keys & prev_saved.keys() & saved.storages.keys()
             if shared:  # the previous layer saved its output and this one its input: count it here only
                 costs[-1]["activation_bytes"] -= sum(prev_saved[key] for key in shared)
-            f, i, w, wgrad = _time_stage(module, device, x, isinstance(module, _WithLoss), repeats)
+            stage = _Timed(module, device, x, isinstance(module, _WithLoss))
+            timed.append(stage)
+            stage.run(0, record=False)  # warm, so that the allocator reading below is of a steady layer
+            wgrad = stage.held_until_w(1)
             mine = [p for p in layer.parameters() if id(p) not in counted]
             counted.update(id(p) for p in mine)
             if static_bytes is not None:
@@ -268,9 +301,6 @@ def profile_layers(
             costs.append(
                 {
                     "name": name,
-                    "f": f,
-                    "i": i,
-                    "w": w,
                     "activation_bytes": float(saved.nbytes),
                     "output_bytes": float(sum(out_storages.values())),
                     "static_bytes": static,
@@ -279,7 +309,12 @@ def profile_layers(
             )
             prev_out_keys, prev_saved = set(out_storages), saved.storages
             x = output
+        # Times, every layer once per round (see _Timed).
+        for cost, (f, i, w) in zip(costs, _time_all(timed, repeats), strict=True):
+            cost.update(f=f, i=i, w=w)
     finally:
+        for t in timed:
+            t.close()
         for p, grad in state:
             p.grad = grad
         with torch.no_grad():
