@@ -6,7 +6,8 @@ of the one before (the first on ``sample_input``, one microbatch) and measures, 
 * ``f``, ``i``, ``w``: median seconds of its forward, its input-gradient backward (I) and its
   weight-gradient backward (W), run by :class:`~pipetrain.stage.PipelineStage` exactly as a
   pipeline stage runs them (pipetrain's split backward), over ``repeats`` rounds that each run
-  every layer once, after two untimed rounds (so drift touches all layers alike). On a GPU each is timed between
+  one microbatch through every layer (all F, then all I and all W in reverse) after two untimed
+  rounds: each action meets the caches as a pipeline leaves them, and drift touches all alike. On a GPU each is timed between
   ``synchronize`` calls. A layer whose input needs no gradient (an embedding of token ids) does
   all its backward in W, as a first stage does. The last layer's costs include ``loss_fn``.
 * ``activation_bytes``: what its forward keeps for backward, counted (not guessed from shapes):
@@ -136,9 +137,13 @@ def _default_static(params: Sequence[nn.Parameter], optimizer: str) -> float:
 class _Timed:
     """One layer run as a (middle or last) pipeline stage, for timing its F, I and W.
 
-    Stages are timed round by round, each round running every layer once in model order, so that
-    whatever drifts while profiling (a clock speeding up, the allocator warming, another rank's
-    work beside this one) touches every layer alike and the layers' times compare."""
+    The layers are timed as a pipeline runs them, not each on its own: a round is one microbatch
+    through the whole model (every layer's F in order, then every I and every W in reverse), so
+    each action starts with what the others left in the caches, as in a stage that runs other
+    microbatches and stages in between (timed back to back instead, measured on the bpe preset, a
+    block came out 15-20 % faster than it ran in the pipeline, a head within 3 %). Rounds also
+    spread whatever drifts while profiling (a clock speeding up, the allocator warming, another
+    rank's work beside this one) over every layer alike."""
 
     def __init__(self, module: nn.Module, device: torch.device, x: Any, with_loss: bool) -> None:
         self.stage = PipelineStage(module, 1, 3, device)
@@ -146,26 +151,28 @@ class _Timed:
         self.x = x
         self.with_loss = with_loss
         self.grads: list[torch.Tensor] | None = None
-        self.samples: list[tuple[float, float, float]] = []
+        self.times: tuple[list[float], list[float], list[float]] = ([], [], [])
+        self._out: Any = None
 
-    def run(self, trial: int, record: bool) -> None:
-        """F, I and W on one microbatch, timed (``record``) or as a warm-up."""
-        device, stage = self.device, self.stage
-        inp = _fresh_input(self.x)
-        _sync(device)
+    def _timed(self, kind: int, record: bool, fn: Callable[[], Any]) -> Any:
+        _sync(self.device)
         t0 = time.perf_counter()
-        out = stage.forward_one_chunk(trial, (inp,))
-        _sync(device)
-        t1 = time.perf_counter()
-        self._input_grad(trial, out)
-        _sync(device)
-        t2 = time.perf_counter()
-        stage.backward_weight_one_chunk(trial)
-        _sync(device)
-        t3 = time.perf_counter()
+        result = fn()
+        _sync(self.device)
         if record:
-            self.samples.append((t1 - t0, t2 - t1, t3 - t2))
-        del out
+            self.times[kind].append(time.perf_counter() - t0)
+        return result
+
+    def forward(self, trial: int, record: bool) -> None:
+        inp = _fresh_input(self.x)
+        self._out = self._timed(0, record, lambda: self.stage.forward_one_chunk(trial, (inp,)))
+
+    def input_grad(self, trial: int, record: bool) -> None:
+        out, self._out = self._out, None
+        self._timed(1, record, lambda: self._input_grad(trial, out))
+
+    def weight_grad(self, trial: int, record: bool) -> None:
+        self._timed(2, record, lambda: self.stage.backward_weight_one_chunk(trial))
 
     def _input_grad(self, trial: int, out: Any, copy: bool = False) -> None:
         if self.with_loss:
@@ -195,7 +202,7 @@ class _Timed:
         return None if before is None or after is None else float(max(0, after - before))
 
     def medians(self) -> tuple[float, float, float]:
-        f, i, w = (statistics.median(s[k] for s in self.samples) for k in range(3))
+        f, i, w = (statistics.median(t) for t in self.times)
         return f, i, w
 
     def close(self) -> None:
@@ -205,14 +212,17 @@ class _Timed:
 
 
 def _time_all(timed: Sequence[_Timed], repeats: int, warmup: int = 2) -> list[tuple[float, float, float]]:
-    """Median F, I, W seconds of every layer over ``repeats`` rounds, after ``warmup`` untimed
-    rounds (one is not enough: measured, the first layers of a fresh process ran 40 % slower in
-    the second round than in the third, a head 30 %)."""
-    trial = 2  # chunk ids 0 and 1 went to each layer's first run and its bytes
+    """Median F, I, W seconds of every layer over ``repeats`` rounds (see :class:`_Timed`), after
+    ``warmup`` untimed rounds (one is not enough: measured, the first layers of a fresh process
+    ran 40 % slower in the second round than in the third, a head 30 %)."""
     for round_ in range(warmup + repeats):
+        trial, record = 2 + round_, round_ >= warmup  # chunk ids 0 and 1: each layer's warm-up and bytes
         for t in timed:
-            t.run(trial, record=round_ >= warmup)
-            trial += 1
+            t.forward(trial, record)
+        for t in reversed(timed):
+            t.input_grad(trial, record)
+        for t in reversed(timed):
+            t.weight_grad(trial, record)
     return [t.medians() for t in timed]
 
 
@@ -288,7 +298,9 @@ def profile_layers(
                 costs[-1]["activation_bytes"] -= sum(prev_saved[key] for key in shared)
             stage = _Timed(module, device, x, isinstance(module, _WithLoss))
             timed.append(stage)
-            stage.run(0, record=False)  # warm, so that the allocator reading below is of a steady layer
+            stage.forward(0, record=False)  # warm, so that the allocator reading below is of a steady layer
+            stage.input_grad(0, record=False)
+            stage.weight_grad(0, record=False)
             wgrad = stage.held_until_w(1)
             mine = [p for p in layer.parameters() if id(p) not in counted]
             counted.update(id(p) for p in mine)

@@ -154,3 +154,20 @@ def test_weight_grad_bytes_are_measured_and_reach_the_plan() -> None:
     plan = plan_pipeline(layers, num_ranks=1, num_microbatches=2, memory_limit=None, stages_per_rank=1, time_limit=0.5)
     total = sum(x.weight_grad_bytes or 0.0 for x in layers)
     assert plan.costs.per_stage("weight_grad_bytes", 1)[0] == pytest.approx(total)
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")  # the embedding: no input gradient
+def test_layers_are_timed_as_a_pipeline_runs_them_one_microbatch_through_all() -> None:
+    """Times come from rounds that run one microbatch through every layer (all forwards in model
+    order, then the backwards in reverse), not from each layer run back to back with its caches
+    hot: the last calls profile_layers makes are whole rounds F0..Fn-1, Bn-1..B0."""
+    model = _gpt()
+    calls: list[str] = []
+    for k, layer in enumerate(model):
+        layer.register_forward_hook(lambda _m, _i, _o, k=k: calls.append(f"F{k}"))
+        layer.register_full_backward_pre_hook(lambda _m, _g, k=k: calls.append(f"B{k}"))
+    x, y = torch.randint(0, V, (B, T)), torch.randint(0, V, (B, T))
+    repeats, warmup, n = 3, 2, len(model)
+    profile_layers(model, x, loss_fn=_loss, target=y, repeats=repeats)
+    one_round = [f"F{k}" for k in range(n)] + [f"B{k}" for k in reversed(range(n))]
+    assert calls[-(warmup + repeats) * 2 * n :] == one_round * (warmup + repeats)
