@@ -4,15 +4,22 @@ Each stage is four Linear(64, 64) + Tanh on microbatches of 256 rows, 8 microbat
 activations dominate. Per schedule: each rank's measured peak bytes of its second step
 (:func:`pipetrain.memory.measure_step`: glibc's allocator on the CPU, every thread;
 ``max_memory_allocated`` on a GPU) beside ``simulate(runtime.schedule, costs)``'s peak, costs
-measured by :func:`pipetrain.memory.stage_bytes`. ``return_outputs=False`` unless
-``--return-outputs``.
+measured by :func:`pipetrain.memory.stage_bytes`, each stage's transient by
+:func:`pipetrain.profile_layers` (its layers' workspaces, composed as the planner does).
+``return_outputs=False`` unless ``--return-outputs``.
 
     python benchmarks/memory_truth.py                 # 2 gloo ranks on the CPU
     python benchmarks/memory_truth.py --device cuda   # one GPU: one rank holding every stage (NCCL
                                                       # across ranks with --ranks 2 and 2 GPUs)
+    python benchmarks/memory_truth.py --train         # pipetrain train's own report: measured beside
+                                                      # promised per rank, bpe and small models
 
 Exits 1 when a rank's measured peak exceeds its promise by more than three messages (one action's
-temporaries), so ``gpu_check.py`` can run it as a check.
+temporaries), so ``gpu_check.py`` can run it as a check. ``--train`` runs ``pipetrain train`` (2
+gloo ranks, 6 steps, 8 microbatches, batch 16; its second step measured) on the bpe model
+(``--schedule auto --memory-limit 110MiB``, ZBVZeroBubble, 1F1B, InterleavedZeroBubble) and on the
+default model (the same named schedules, auto within the machine's memory) and prints its
+measured and promised bytes per rank (``summary.json``'s ``memory``).
 """
 
 from __future__ import annotations
@@ -82,10 +89,22 @@ def _one(rank: int, world: int, name: str, v: int, device: torch.device, keep: b
     sizes = [stage_bytes(m, example, device=device) for m in modules[:-1]]
     sizes.append(stage_bytes(modules[-1], example, loss_fn=_mse, target=y[:ROWS], device=device))
     keys = ("activation_bytes", "weight_grad_bytes", "message_bytes")
-    costs = Costs(f=1, b=2, comm=0.05, **{k: [s[k] for s in sizes] for k in keys})
+    transient = [_workspace(m, example, None) for m in modules[:-1]]
+    transient.append(_workspace(modules[-1], example, y[:ROWS]))
+    costs = Costs(f=1, b=2, comm=0.05, transient_bytes=transient, **{k: [s[k] for s in sizes] for k in keys})
     promised = simulate(runtime.schedule, costs, keep_outputs=keep).peak_memory_bytes
     assert promised is not None
     return measured, promised[rank], 3.0 * max(s["message_bytes"] for s in sizes)
+
+
+def _workspace(module: nn.Module, example: torch.Tensor, target: torch.Tensor | None) -> float:
+    """A stage's workspace: its layers' (profile_layers), composed as the planner composes them."""
+    from pipetrain import profile_layers
+    from pipetrain.plan.pipeline.model import Profile
+
+    loss = _mse if target is not None else None
+    layers = profile_layers(module, example, loss_fn=loss, target=target, repeats=1)
+    return Profile(layers).workspace(0, len(layers))
 
 
 def _rank(rank: int, world: int, port: int, device_type: str, keep: bool, results: Any) -> None:
@@ -141,12 +160,55 @@ def report(rows: list[list[tuple[str, int, float, float]]]) -> tuple[str, bool]:
     return "\n".join(lines), ok
 
 
+TRAIN_RUNS = [
+    ("bpe", "auto", ["--memory-limit", "110MiB"]),
+    ("bpe", "ZBVZeroBubble", []),
+    ("bpe", "1F1B", []),
+    ("bpe", "InterleavedZeroBubble", []),
+    ("small", "auto", []),
+    ("small", "ZBVZeroBubble", []),
+    ("small", "1F1B", []),
+    ("small", "InterleavedZeroBubble", []),
+]
+
+
+def train_table(device: str = "cpu") -> str:
+    """``pipetrain train``'s measured and promised bytes per rank (MiB), one row per run of TRAIN_RUNS."""
+    import json
+    import subprocess
+    import tempfile
+
+    lines = ["| model | schedule | rank 0 measured / promised | rank 1 measured / promised |", "|---|---|---:|---:|"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for model, schedule, extra in TRAIN_RUNS:
+        with tempfile.TemporaryDirectory() as out:
+            cmd = [sys.executable, "-m", "pipetrain", "train", "--schedule", schedule, "--model", model,
+                   "--ranks", "2", "--steps", "6", "--microbatches", "8", "--batch-size", "16",
+                   "--device", device, "--out", out, "--json", *extra]  # fmt: skip
+            run = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+        if run.returncode:
+            lines.append(f"| {model} | {schedule} | failed: {run.stderr.strip().splitlines()[-1:]} | |")
+            continue
+        ranks = json.loads(run.stdout)["memory"]["ranks"]
+        cells = []
+        for rank in ("0", "1"):
+            measured, promised = ranks[rank]["measured_peak_bytes"], ranks[rank]["promised_peak_bytes"]
+            cells.append(f"{measured / 2**20:.2f} / {promised / 2**20:.2f} MiB ({measured / promised:.2f})")
+        lines.append(f"| {model} | {schedule} | " + " | ".join(cells) + " |")
+        print(lines[-1], file=sys.stderr, flush=True)
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--ranks", type=int, default=None, help="default: 2 on the CPU, 1 on a GPU")
     parser.add_argument("--return-outputs", action="store_true")
+    parser.add_argument("--train", action="store_true", help="pipetrain train's measured and promised bytes instead")
     args = parser.parse_args()
+    if args.train:
+        print(train_table(args.device))
+        return 0
     world = args.ranks or (2 if args.device == "cpu" else 1)
     if args.device == "cuda" and torch.cuda.device_count() < world:
         print(f"needs {world} GPUs, {torch.cuda.device_count()} visible", file=sys.stderr)

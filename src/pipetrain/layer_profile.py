@@ -22,6 +22,21 @@ of the one before (the first on ``sample_input``, one microbatch) and measures, 
 * ``static_bytes``: its parameters and buffers held for the whole step: weights, gradients and
   optimizer state, by :func:`pipetrain.plan.static_bytes_for` (Adam by default; precision from
   the parameters' dtype). A parameter shared by several layers counts once, for the first.
+* ``workspace_bytes``: the most its F, its I or its W allocates beyond what is held before and
+  after the action, freed by the action's end (a head's loss backward makes the logits' gradient
+  and the softmax's: 2 x rows x vocabulary floats over what it holds); ``i_workspace_bytes`` the
+  same for its I alone. On a GPU by the allocator (``reset_peak_memory_stats`` and
+  ``max_memory_allocated``); on the CPU, which keeps no peak, by :class:`count_peak_bytes`: every
+  storage the action's operators make, the autograd engine's included, is counted from its
+  creation until it is freed, and so is every older storage they read that is freed during the
+  action.
+* ``i_saved_bytes``: the saved tensors its I frees, what only I reads (a finalizer on each saved
+  storage). A split backward frees them when its stage's whole I ends, so while a stage of
+  several layers runs its I the layers it already went through still hold theirs (on the bpe
+  preset 0.77 MiB a block beside a block's 0.99 MiB of I workspace; a 5-block stage's I peaked
+  4.0 MiB above what it held after). Its input and output count for neither (they stay held
+  here): a tensor between two layers that only their I reads (an activation function's input,
+  as a layer of its own) is left out.
 
 Measuring leaves the layers as they were: parameter gradients and buffers are restored.
 """
@@ -30,11 +45,13 @@ from __future__ import annotations
 
 import statistics
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from pipetrain.errors import PipelineError
@@ -42,7 +59,7 @@ from pipetrain.plan import LayerCost, static_bytes_for
 from pipetrain.split import _fresh_input, _named_layers
 from pipetrain.stage import PipelineStage
 
-__all__ = ["count_saved_bytes", "profile_layers"]
+__all__ = ["count_peak_bytes", "count_saved_bytes", "profile_layers"]
 
 Layers = nn.Sequential | nn.ModuleDict | Mapping[str, nn.Module] | Sequence[nn.Module] | Sequence[tuple[str, nn.Module]]
 
@@ -89,6 +106,154 @@ class count_saved_bytes:  # noqa: N801 - used as a context manager, like torch's
 
     def __exit__(self, *exc: object) -> None:
         self._hooks.__exit__(*exc)
+
+
+class count_peak_bytes:  # noqa: N801 - used as a context manager, like count_saved_bytes
+    """Within the block, the bytes its operators allocate and free, for a CPU, which keeps no peak.
+
+    Every operator runs through a dispatch mode (those autograd's backward runs too: on the CPU
+    the engine runs them in the calling thread, under the caller's modes). A storage an operator
+    returns that none of its inputs has is new: it counts from then until it is freed (a
+    finalizer on the storage, whose Python object lives as long as the storage does). A storage
+    from before the block that an operator reads counts as freed if it goes during the block.
+    ``peak`` is the most allocated beyond what was held at the start, ``end`` what stays at the
+    end (negative when the block freed more than it kept): ``workspace`` is ``peak - max(0, end)``,
+    what went beyond both the start and the end. Scratch a kernel allocates inside itself (not
+    through an operator) is not seen, nor the freeing of an older storage no operator read; views
+    and in-place results are not new storages.
+    """
+
+    def __init__(self) -> None:
+        self.end = 0
+        self.peak = 0
+        self._live: dict[int, Any] = {}  # storage pointer -> its finalizer, while counted
+        self._open = False
+        self._mode = _Dispatch(self._seen)
+
+    @property
+    def workspace(self) -> int:
+        return max(0, self.peak - max(0, self.end))
+
+    def _watch(self, storage: torch.UntypedStorage) -> int:
+        key, nbytes = storage.data_ptr(), storage.nbytes()
+        self._live[key] = weakref.finalize(storage, self._freed, key, nbytes)
+        return nbytes
+
+    def _freed(self, key: int, nbytes: int) -> None:
+        self._live.pop(key, None)
+        if self._open:
+            self.end -= nbytes
+
+    def _seen(self, args: Any, out: Any) -> None:
+        """One operator ran on ``args`` and returned ``out``."""
+        if not self._open:
+            return
+        inputs: set[int] = set()
+        for t in tree_leaves(args):
+            storage = _cpu_storage(t)
+            if storage is not None:
+                key = storage.data_ptr()
+                inputs.add(key)
+                if key not in self._live:  # older than the block: counted if it is freed in it
+                    self._watch(storage)
+        for t in tree_leaves(out):
+            storage = _cpu_storage(t)
+            if storage is not None and storage.data_ptr() not in inputs and storage.data_ptr() not in self._live:
+                self.end += self._watch(storage)
+                self.peak = max(self.peak, self.end)
+
+    def __enter__(self) -> count_peak_bytes:
+        self.end = self.peak = 0
+        self._open = True
+        self._mode.__enter__()  # type: ignore[no-untyped-call]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._mode.__exit__(*exc)  # type: ignore[no-untyped-call]
+        self._open = False
+        for fin in list(self._live.values()):
+            fin.detach()
+        self._live.clear()
+
+
+class _Dispatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Runs every operator and tells ``seen(args, out)``."""
+
+    def __init__(self, seen: Callable[[Any, Any], None]) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.seen = seen
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.seen((args, kwargs), out)
+        return out
+
+
+def _cpu_storage(t: object) -> torch.UntypedStorage | None:
+    """The storage of a dense CPU tensor that holds bytes, else None."""
+    if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.layout != torch.strided:
+        return None
+    try:
+        storage = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return storage if storage.nbytes() > 0 else None
+
+
+class _Workspace:
+    """The most one action allocates beyond what is held before and after it, freed by its end:
+    by the allocator's peak on a GPU, by :class:`count_peak_bytes` on the CPU (None where
+    neither can be read)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.bytes: float | None = 0.0
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``, its workspace noted (the largest so far is ``bytes``)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            before = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            result = fn(*args)
+            torch.cuda.synchronize(self.device)
+            peak, after = torch.cuda.max_memory_allocated(self.device), torch.cuda.memory_allocated(self.device)
+            self._note(peak - max(before, after))
+            return result
+        if self.device.type != "cpu":
+            self.bytes = None
+            return fn(*args)
+        with count_peak_bytes() as counted:
+            result = fn(*args)
+        self._note(counted.workspace)
+        return result
+
+    def _note(self, value: float) -> None:
+        if self.bytes is not None:
+            self.bytes = max(self.bytes, float(max(0.0, value)))
+
+
+class _Freed:
+    """Which of the storages autograd saved (``saved``'s, this microbatch's) are freed until
+    :meth:`close`, and their bytes (a finalizer on each: its Python object lives as long as the
+    storage does)."""
+
+    def __init__(self, saved: Any) -> None:
+        self.gone: list[int] = []
+        self._watch: list[Any] = []
+        seen: set[int] = set()
+        for holder in getattr(saved, "holders", ()):
+            t = holder.tensor
+            if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.layout == torch.strided:
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in seen and storage.nbytes() > 0:
+                    seen.add(storage.data_ptr())
+                    self._watch.append(weakref.finalize(storage, self.gone.append, storage.nbytes()))
+
+    def close(self) -> float:
+        for fin in self._watch:
+            fin.detach()
+        return float(sum(self.gone))
 
 
 class _WithLoss(nn.Module):
@@ -174,16 +339,15 @@ class _Timed:
     def weight_grad(self, trial: int, record: bool) -> None:
         self._timed(2, record, lambda: self.stage.backward_weight_one_chunk(trial))
 
-    def _input_grad(self, trial: int, out: Any, copy: bool = False) -> None:
+    def _input_grad(self, trial: int, out: Any, given: list[torch.Tensor | None] | None = None) -> None:
         if self.with_loss:
             self.stage.backward_one_chunk(trial, loss=out, full=False)
             return
-        roots = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
         if self.grads is None:
+            roots = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
             gen = torch.Generator(device="cpu").manual_seed(0)
             self.grads = [torch.randn(t.shape, generator=gen, dtype=t.dtype).to(t.device) for t in roots]
-        given: list[torch.Tensor | None] = [g.clone() if copy else g for g in self.grads]
-        self.stage.backward_one_chunk(trial, grad_outputs=given, full=False)
+        self.stage.backward_one_chunk(trial, grad_outputs=list(self.grads) if given is None else given, full=False)
 
     def held_until_w(self, trial: int) -> float | None:
         """The bytes held once I ran (until W, under a split backward), its input and output gradient
@@ -195,11 +359,36 @@ class _Timed:
         inp = _fresh_input(tree_map_only(torch.Tensor, torch.clone, self.x))
         out = self.stage.forward_one_chunk(trial, (inp,))
         del inp
-        self._input_grad(trial, out, copy=True)
+        self._input_grad(trial, out, self._given())
         del out
         after = _allocated(device)
         self.stage.backward_weight_one_chunk(trial)
         return None if before is None or after is None else float(max(0, after - before))
+
+    def workspace(self, trial: int) -> tuple[float | None, float | None, float]:
+        """(workspace, I's workspace, I-only saved bytes): the most its F, I or W (and its I alone)
+        allocates beyond what is held before and after the action (:class:`_Workspace`; None
+        where it cannot be measured), and the bytes of saved tensors its I frees (what only I
+        reads: a split backward frees them when the stage's whole I ends). Its input and output
+        gradient are made before the actions that take them."""
+        work, work_i = _Workspace(self.device), _Workspace(self.device)
+        inp = _fresh_input(tree_map_only(torch.Tensor, torch.clone, self.x))
+        out = work.run(self.stage.forward_one_chunk, trial, (inp,))
+        del inp
+        state = self.stage._mbs.get(trial)  # what the stage keeps of this microbatch: its saved tensors
+        freed = _Freed(None if state is None else state.saved)
+        del state
+        work_i.run(self._input_grad, trial, out, self._given())
+        i_saved = freed.close()  # (its output is still held here, as the next layer's input would be)
+        del out
+        work.run(self.stage.backward_weight_one_chunk, trial)
+        if work.bytes is None or work_i.bytes is None:
+            return None, None, i_saved
+        return max(work.bytes, work_i.bytes), work_i.bytes, i_saved
+
+    def _given(self) -> list[torch.Tensor | None] | None:
+        """Copies of the output gradients I is given (None for the last layer: it starts from the loss)."""
+        return None if self.grads is None else [g.clone() for g in self.grads]
 
     def medians(self) -> tuple[float, float, float]:
         f, i, w = (statistics.median(t) for t in self.times)
@@ -216,7 +405,7 @@ def _time_all(timed: Sequence[_Timed], repeats: int, warmup: int = 2) -> list[tu
     ``warmup`` untimed rounds (one is not enough: measured, the first layers of a fresh process
     ran 40 % slower in the second round than in the third, a head 30 %)."""
     for round_ in range(warmup + repeats):
-        trial, record = 2 + round_, round_ >= warmup  # chunk ids 0 and 1: each layer's warm-up and bytes
+        trial, record = 3 + round_, round_ >= warmup  # chunk ids 0, 1, 2: each layer's warm-up and bytes
         for t in timed:
             t.forward(trial, record)
         for t in reversed(timed):
@@ -302,6 +491,7 @@ def profile_layers(
             stage.input_grad(0, record=False)
             stage.weight_grad(0, record=False)
             wgrad = stage.held_until_w(1)
+            workspace, i_workspace, i_saved = stage.workspace(2)
             mine = [p for p in layer.parameters() if id(p) not in counted]
             counted.update(id(p) for p in mine)
             if static_bytes is not None:
@@ -317,6 +507,9 @@ def profile_layers(
                     "output_bytes": float(sum(out_storages.values())),
                     "static_bytes": static,
                     "weight_grad_bytes": wgrad,
+                    "workspace_bytes": workspace or 0.0,
+                    "i_workspace_bytes": i_workspace,
+                    "i_saved_bytes": i_saved,
                 }
             )
             prev_out_keys, prev_saved = set(out_storages), saved.storages

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipetrain.layer_profile import count_saved_bytes, profile_layers
+from pipetrain.layer_profile import count_peak_bytes, count_saved_bytes, profile_layers
 from pipetrain.split import _fresh_input
 
 V, D, T, B = 2000, 32, 16, 4
@@ -171,3 +171,105 @@ def test_layers_are_timed_as_a_pipeline_runs_them_one_microbatch_through_all() -
     profile_layers(model, x, loss_fn=_loss, target=y, repeats=repeats)
     one_round = [f"F{k}" for k in range(n)] + [f"B{k}" for k in reversed(range(n))]
     assert calls[-(warmup + repeats) * 2 * n :] == one_round * (warmup + repeats)
+
+
+def test_a_head_whose_loss_backward_allocates_the_logits_gradients_gets_that_workspace() -> None:
+    """A Linear to a large vocabulary + cross-entropy: its I makes the gradient of the log-softmax
+    and of the logits (rows x vocabulary floats each) beyond what it holds before and after; the
+    hidden layer before it only a small one. Counted on the CPU by count_peak_bytes (which sees
+    the operators autograd's backward runs), by the allocator's peak on a GPU."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    rows, vocab = 64, 4096
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, vocab))
+    x, y = torch.randn(rows, 16), torch.randint(0, vocab, (rows,))
+    costs = profile_layers(model, x, loss_fn=nn.functional.cross_entropy, target=y, repeats=1)
+    logits = rows * vocab * 4
+    assert 1.9 * logits <= costs[1].workspace_bytes <= 2.6 * logits, costs[1]
+    assert costs[0].workspace_bytes < 0.1 * logits, costs[0]
+
+
+def test_count_peak_bytes_sees_a_backward_and_leaves_out_what_stays() -> None:
+    lin = nn.Linear(16, 4096)
+    h, y = torch.randn(64, 16, requires_grad=True), torch.randint(0, 4096, (64,))
+    loss = nn.functional.cross_entropy(lin(h), y)
+    logits = 64 * 4096 * 4
+    with count_peak_bytes() as counted:
+        loss.backward()
+    # the log-softmax's gradient and the logits': both gone by the end, with what the forward saved
+    assert 2 * logits <= counted.peak <= 2 * logits + 4 * 4096 * 17 + 64 * 16 * 4
+    assert counted.end < counted.peak - logits
+    assert counted.workspace >= 2 * logits - 4 * 4096 * 17
+    # what a block keeps does not count: a tensor made and kept is no workspace
+    with count_peak_bytes() as counted:
+        kept = torch.zeros(1000)
+    assert counted.peak == counted.end == kept.numel() * 4 and counted.workspace == 0
+    with count_peak_bytes() as counted:
+        temp = torch.zeros(1000)
+        del temp
+        view = kept[:10]  # a view is not a new storage
+    assert counted.peak == 4000 and counted.end == 0 and counted.workspace == 4000 and view.numel() == 10
+
+
+def test_workspace_bytes_reach_the_layers_file_and_the_promise(tmp_path: Any) -> None:
+    from pipetrain.plan import plan_pipeline, read_layers, simulate, write_layers
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 2048))
+    x, y = torch.randn(64, 16), torch.randint(0, 2048, (64,))
+    layers = profile_layers(model, x, loss_fn=nn.functional.cross_entropy, target=y, repeats=1)
+    path = tmp_path / "layers.csv"
+    write_layers(path, layers)
+    assert [c.workspace_bytes for c in read_layers(path)] == [c.workspace_bytes for c in layers]
+    plan = plan_pipeline(layers, num_ranks=1, num_microbatches=2, memory_limit=None, stages_per_rank=1, time_limit=0.5)
+    head = layers[-1].workspace_bytes
+    assert head > 0 and plan.costs.per_stage("transient_bytes", 1)[0] == pytest.approx(head)
+    assert simulate(plan.schedule, plan.costs).peak_memory_bytes == pytest.approx(plan.peak_memory_bytes)
+
+
+class _Block(nn.Module):
+    """A residual MLP block: its I makes temporaries, and frees what only I reads at the stage's end."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
+
+
+def test_a_stage_of_several_layers_needs_at_most_the_workspace_the_model_gives_it() -> None:
+    """Each layer profiled alone; the stage of all of them run as a pipeline stage runs it (split
+    backward): the most one of its actions allocates beyond what it holds before and after is
+    within the model's stage workspace (its layers' largest, or one layer's I with the I-only
+    saved tensors of the layers after it, which the stage frees when its whole I ends), and that
+    bound is not loose. With max-of-layers alone, the stage's I would exceed it."""
+    from pipetrain.layer_profile import _Workspace
+    from pipetrain.plan.pipeline.model import Profile
+    from pipetrain.stage import PipelineStage
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    width, rows = 32, 256
+    blocks = nn.Sequential(*[_Block(width) for _ in range(4)])
+    x = torch.randn(rows, width)
+    layers = profile_layers(blocks, x, repeats=1)
+    assert all(c.i_saved_bytes > 0 and c.workspace_bytes >= (c.i_workspace_bytes or 0.0) > 0 for c in layers)
+    bound = Profile(layers).workspace(0, len(layers))
+    stage = PipelineStage(blocks, 1, 3, torch.device("cpu"))
+    measured = []
+    for mb in range(3):
+        work = _Workspace(torch.device("cpu"))
+        inp = x.clone().requires_grad_()
+        out = work.run(stage.forward_one_chunk, mb, (inp,))
+        grads: list[torch.Tensor | None] = [torch.randn_like(out)]
+        del inp, out
+        work.run(lambda g=grads, m=mb: stage.backward_one_chunk(m, grad_outputs=g, full=False))
+        del grads
+        work.run(stage.backward_weight_one_chunk, mb)
+        assert work.bytes is not None
+        measured.append(work.bytes)
+    assert max(measured) <= bound <= 1.1 * max(measured), (measured, bound)
+    assert max(c.workspace_bytes for c in layers) < 0.8 * max(measured)

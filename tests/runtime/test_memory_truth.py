@@ -9,6 +9,8 @@ costs measured by :func:`pipetrain.memory.stage_bytes`, plus one action's tempor
 
 from __future__ import annotations
 
+import time
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -199,3 +201,77 @@ def _auto_on_every_rank(rank: int, world: int) -> list[float]:
 def test_auto_schedule_called_on_every_rank_trains() -> None:
     losses = [v for r in run_ranks(_auto_on_every_rank, 2) for v in r]
     assert len(losses) == 16 and all(torch.isfinite(torch.tensor(losses)))
+
+
+SCRATCH = 2 * 2**20  # bytes the _Scratch layer's backward allocates and frees
+
+
+class _ScratchFn(torch.autograd.Function):
+    """The identity, whose backward allocates (and frees) SCRATCH bytes: a backward temporary."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        scratch = torch.ones(SCRATCH // 4)
+        time.sleep(0.02)  # long enough for the meter's sampling thread to see it, however busy the machine
+        return grad * scratch[0]
+
+
+class _Scratch(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _ScratchFn.apply(x)  # type: ignore[no-any-return]
+
+
+def _workspace_case(rank: int, world: int) -> list[tuple[str, int, float, float, float]]:
+    """(schedule, measured, promised, promised without workspaces, a message) on this rank, with
+    per-stage costs made from profile_layers as the planner makes them (the promise
+    ``pipetrain train`` prints): the first stage's backward allocates SCRATCH bytes it frees."""
+    from pipetrain import PipelineScheduleRuntime, PipelineStage, profile_layers
+    from pipetrain.memory import measure_step
+    from pipetrain.plan import build_schedule, simulate
+    from pipetrain.plan.pipeline.model import Profile, StageValues
+
+    torch.manual_seed(0)
+    first = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), _Scratch(), nn.Linear(WIDTH, WIDTH))
+    last = nn.Sequential(nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH))
+    whole = nn.Sequential(*first, *last)
+    n_mb = 4
+    x, y = torch.randn(n_mb * ROWS, WIDTH), torch.randn(n_mb * ROWS, WIDTH)
+    layers = profile_layers(whole, x[:ROWS], loss_fn=_mse, target=y[:ROWS], repeats=1)
+    values = StageValues.of(Profile(layers), (0, len(first), len(whole)))
+    costs = values.costs(frozenset(), 0.05)
+    bare_layers = [replace(c, workspace_bytes=0.0, i_workspace_bytes=0.0, i_saved_bytes=0.0) for c in layers]
+    no_work = StageValues.of(Profile(bare_layers), (0, len(first), len(whole)))
+    static = sum(c.static_bytes for c in (layers[:4] if rank == 0 else layers[4:]))
+    out = []
+    for name in ("1F1B", "ZBH1"):
+        plan = build_schedule(name, num_ranks=world, num_microbatches=n_mb)
+        stage = PipelineStage((first, last)[rank], rank, world, torch.device("cpu"))
+        runtime = PipelineScheduleRuntime(stage, plan, loss_fn=_mse)
+        measured = 0
+        for _ in range(2):  # the first step makes the gradients; the second adds into them
+            kwargs: dict[str, Any] = {"target": y, "losses": []} if rank == world - 1 else {}
+            dist.barrier()
+            measured = measure_step(runtime, *((x,) if rank == 0 else ()), **kwargs).peak_bytes
+        peaks = simulate(runtime.schedule, costs).peak_memory_bytes
+        bare = simulate(runtime.schedule, no_work.costs(frozenset(), 0.05)).peak_memory_bytes
+        assert peaks is not None and bare is not None
+        out.append((name, measured, peaks[rank] - static, bare[rank] - static, float(values.msg[0])))
+    return out
+
+
+def test_a_backward_temporary_is_measured_by_the_profile_and_kept_within_the_promise() -> None:
+    """The first stage's backward allocates 2 MiB it frees by its end: the layer profile's
+    workspace counts it, the promise adds it, and each rank's measured peak stays within that
+    promise (its static bytes aside: allocated before the step) plus two messages; without the
+    workspace the promise would be short of what the first rank really held."""
+    results = run_ranks(_workspace_case, 2, timeout=300)
+    for rank, cases in enumerate(results):
+        for name, measured, promised, bare, message in cases:
+            assert measured <= promised + 2 * message, (name, rank, measured, promised)
+            if rank == 0:
+                assert measured > bare + SCRATCH / 2, (name, measured, bare)
+                assert promised >= bare + SCRATCH

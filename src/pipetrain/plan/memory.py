@@ -16,8 +16,9 @@ scores with it). Per rank:
   it ends; between stages of one rank a gradient is held from the I/B that makes it until the
   I/B that uses it ends;
 - *static*: the sum of ``static_bytes`` of the rank's stages, held throughout;
-- *transient*: the largest ``transient_bytes`` of the rank's stages with a backward (one
-  backward at a time rebuilds what a recomputed stage dropped).
+- *transient*: the largest ``transient_bytes`` of the rank's stages with a backward, what an
+  action allocates and frees by its end (a recomputed stage's rebuilt activations, a layer's
+  workspace: a rank runs one action at a time).
 
 peak bytes = static + the peak over time of activations and buffers + transient.
 """

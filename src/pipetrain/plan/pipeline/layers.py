@@ -11,8 +11,11 @@ JSON (``.json``)::
                  "activation_bytes": 0, "output_bytes": 67108864, "static_bytes": 8.4e9}, ...]}
 
 (a bare list of layer objects reads too). CSV (``.csv``): a header row naming the columns
-``name,f,i,w,activation_bytes,output_bytes,static_bytes`` (``b`` may replace ``i`` and ``w``;
-only ``name`` and ``f`` are required, a missing byte column is 0), one row per layer; lines
+``name,f,i,w,activation_bytes,output_bytes,static_bytes,weight_grad_bytes,workspace_bytes,i_workspace_bytes,i_saved_bytes``
+(``b`` may replace ``i`` and ``w``; only ``name`` and ``f`` are required, a missing byte column
+is 0, but ``weight_grad_bytes`` defaults to ``activation_bytes`` and ``i_workspace_bytes`` to
+``workspace_bytes``: files written before the last three columns existed read as they did), one
+row per layer; lines
 starting with ``#`` are comments, and ``# key=value`` comment lines before the header are the
 file's ``meta``. Known ``meta`` keys: ``time_unit`` (what the durations are in) and ``comm``
 (the measured latency between ranks, in that unit).
@@ -44,8 +47,20 @@ __all__ = [
 ]
 
 LAYERS_FORMAT = "pipetrain-layers"
-_FIELDS = ("name", "f", "i", "w", "b", "activation_bytes", "output_bytes", "static_bytes", "weight_grad_bytes")
-_WRITTEN = ("name", "f", "i", "w", "activation_bytes", "output_bytes", "static_bytes", "weight_grad_bytes")
+_WRITTEN = (
+    "name",
+    "f",
+    "i",
+    "w",
+    "activation_bytes",
+    "output_bytes",
+    "static_bytes",
+    "weight_grad_bytes",
+    "workspace_bytes",
+    "i_workspace_bytes",
+    "i_saved_bytes",
+)
+_FIELDS = (*_WRITTEN[:4], "b", *_WRITTEN[4:])
 
 BYTES_PER_PARAMETER: dict[tuple[str, str], int] = {
     # (optimizer, precision): bytes per parameter for weights + gradients + optimizer state
@@ -99,7 +114,14 @@ class LayerCost:
     (parameters, gradients, optimizer state: :func:`static_bytes_for` counts them from a number
     of parameters, or use :meth:`static_for`); ``weight_grad_bytes`` what it holds from its
     input-gradient backward (I) until its weight-gradient backward (W) ends, under a split backward
-    (W's inputs and output gradients; default: ``activation_bytes``).
+    (W's inputs and output gradients; default: ``activation_bytes``); ``workspace_bytes`` the most
+    its F, I or W allocates beyond what it holds before and after the action, freed by the
+    action's end (a backward's temporaries: for a head with its loss, the logits' gradient and the
+    softmax's); ``i_workspace_bytes`` the same for its I alone (default: ``workspace_bytes``);
+    ``i_saved_bytes`` what of its activations only I reads, which a split backward frees when its
+    stage's whole I ends (so while a stage's I runs, the layers it already went through still
+    hold theirs). A stage's workspace is the largest of its layers' ``workspace_bytes`` and, over
+    its layers k, of ``i_workspace_bytes[k]`` plus the ``i_saved_bytes`` of its layers after k.
     """
 
     name: str
@@ -111,6 +133,9 @@ class LayerCost:
     static_bytes: float = 0.0
     b: float | None = None
     weight_grad_bytes: float | None = None
+    workspace_bytes: float = 0.0
+    i_workspace_bytes: float | None = None
+    i_saved_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
@@ -143,9 +168,15 @@ class LayerCost:
             "activation_bytes": _number(owner, "activation_bytes", self.activation_bytes),
             "output_bytes": _number(owner, "output_bytes", self.output_bytes),
             "static_bytes": _number(owner, "static_bytes", self.static_bytes),
+            "workspace_bytes": _number(owner, "workspace_bytes", self.workspace_bytes),
+            "i_saved_bytes": _number(owner, "i_saved_bytes", self.i_saved_bytes),
         }
         wgrad = self.weight_grad_bytes
         values["weight_grad_bytes"] = values["activation_bytes"] if wgrad is None else _number(owner, "wgrad", wgrad)
+        i_work = self.i_workspace_bytes
+        values["i_workspace_bytes"] = (
+            values["workspace_bytes"] if i_work is None else _number(owner, "i_workspace_bytes", i_work)
+        )
         for key, value in values.items():
             object.__setattr__(self, key, value)
 

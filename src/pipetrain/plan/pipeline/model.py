@@ -7,8 +7,11 @@ scores thousands of cuts, so it uses a fast form here: a rank's peak of held act
 an order is the largest ``sum(count[s] * held[s])`` over the counts of (stage, microbatch)
 activations the order holds at once (a property of the order alone, computed once per order), a
 received input is held with its stage's activation, and the other message buffers add a margin
-of one of each. Every plan it returns is then simulated, and only one whose simulated peak fits
-is returned.
+of one of each. A stage's transient is what one of its backward passes rebuilds when it
+recomputes plus its workspace (:meth:`Profile.workspace`: its layers' largest, with what a split
+backward keeps of the others until the stage's I ends), a rank's the largest of its stages',
+exactly as :meth:`StageValues.costs` gives ``simulate``.
+Every plan it returns is then simulated, and only one whose simulated peak fits is returned.
 """
 
 from __future__ import annotations
@@ -50,8 +53,41 @@ class Profile:
         self.pg = prefix([layer.weight_grad_bytes or 0.0 for layer in self.layers])
         self.ps = prefix([layer.static_bytes for layer in self.layers])
         self.out = [layer.output_bytes for layer in self.layers]
+        # A stage's workspace (see workspace()), by two sparse tables: row j of a table holds the
+        # max over x in k .. k + 2**j - 1 of workspace_bytes[x], and of i_workspace_bytes[x] - pr[x + 1].
+        self.pr = prefix([layer.i_saved_bytes for layer in self.layers])
+        self._work = _sparse([layer.workspace_bytes for layer in self.layers])
+        self._work_i = _sparse(
+            [(layer.i_workspace_bytes or 0.0) - self.pr[k + 1] for k, layer in enumerate(self.layers)]
+        )
         self.times = [layer.time for layer in self.layers]
         self.static = [layer.static_bytes for layer in self.layers]
+
+    def workspace(self, a: int, b: int) -> float:
+        """The workspace of a stage of layers ``a .. b-1`` (0 for none): what one of its actions
+        allocates beyond what the stage holds before and after it. A stage runs one layer's action
+        at a time, so the largest of its layers' ``workspace_bytes``; but its I runs from its last
+        layer back and a split backward frees each layer's I-only saved tensors when the stage's
+        whole I ends, so during layer k's I the layers after k still hold their
+        ``i_saved_bytes``: the largest ``i_workspace_bytes[k]`` + those, if more."""
+        if b <= a:
+            return 0.0
+        return max(_range_max(self._work, a, b), self.pr[b] + _range_max(self._work_i, a, b))
+
+
+def _sparse(values: list[float]) -> list[list[float]]:
+    """Row j: the max of ``values`` over each window of 2**j (for :func:`_range_max`)."""
+    table = [values]
+    while 1 << len(table) <= len(values):
+        row, half = table[-1], 1 << (len(table) - 1)
+        table.append([max(row[k], row[k + half]) for k in range(len(row) - half)])
+    return table
+
+
+def _range_max(table: list[list[float]], a: int, b: int) -> float:
+    """The max of the values at ``a .. b-1`` (``a < b``), from :func:`_sparse`'s table."""
+    j = (b - a).bit_length() - 1
+    return max(table[j][a], table[j][b - (1 << j)])
 
 
 @dataclass(frozen=True)
@@ -66,6 +102,7 @@ class StageValues:
     inp: tuple[float, ...]  # the input's size (previous layer's output; 0 for stage 0)
     msg: tuple[float, ...]  # the output's size (last layer's output)
     static: tuple[float, ...]
+    work: tuple[float, ...]  # its workspace (Profile.workspace)
 
     @classmethod
     def of(cls, profile: Profile, cut: Cut) -> StageValues:
@@ -80,14 +117,15 @@ class StageValues:
             tuple(out[a - 1] if a > 0 else 0.0 for a, _ in pairs),
             tuple(out[b - 1] for _, b in pairs),
             tuple(ps[b] - ps[a] for a, b in pairs),
+            tuple(profile.workspace(a, b) for a, b in pairs),
         )
 
     def costs(self, recompute: frozenset[int], comm: float) -> Costs:
         """The per-stage :class:`Costs` that :func:`~pipetrain.plan.simulate` takes for this cut:
         a recomputed stage rebuilds its activations once per backward pass, as
         :func:`pipetrain.split.recompute` does by default (``weight_grads="recompute"``): B and I
-        each cost its F more, and so does W (it holds only its input until then); it rebuilds
-        its activations as a transient; message sizes are the stages' outputs."""
+        each cost its F more, and so does W (it holds only its input until then); its transient
+        is :meth:`transient`; message sizes are the stages' outputs."""
         n = len(self.f)
         extra = [self.f[s] if s in recompute else 0.0 for s in range(n)]
         return Costs(
@@ -100,11 +138,20 @@ class StageValues:
             weight_grad_bytes=[self.inp[s] if s in recompute else self.wgrad[s] for s in range(n)],
             message_bytes=list(self.msg),
             static_bytes=list(self.static),
-            transient_bytes=[self.act[s] if s in recompute else 0.0 for s in range(n)],
+            transient_bytes=[self.transient(s, recompute) for s in range(n)],
         )
 
     def held(self, s: int, recompute: frozenset[int] | set[int]) -> float:
         return self.inp[s] if s in recompute else self.act[s]
+
+    def transient(self, s: int, recompute: frozenset[int] | set[int]) -> float:
+        """What stage ``s`` allocates only while one of its actions runs: the activations a
+        backward rebuilds when it recomputes, plus its workspace (:meth:`Profile.workspace`)."""
+        return (self.act[s] if s in recompute else 0.0) + self.work[s]
+
+    def rank_transient(self, stages: Sequence[int], recompute: frozenset[int] | set[int]) -> float:
+        """A rank's transient: the largest of its stages' (one action at a time)."""
+        return max((self.transient(s, recompute) for s in stages), default=0.0)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -112,8 +112,7 @@ class Scoring:
                 continue
             held = [sv.held(s, mask) + (sv.inp[s] if layout.cross_in(s) else 0.0) for s in stages]
             peak = max(sum(c * h for c, h in zip(vec, held, strict=True)) for vec in vectors)
-            transient = max((sv.act[s] for s in mask), default=0.0)
-            need = static + peak + transient + margin
+            need = static + peak + sv.rank_transient(stages, mask) + margin
             if self.limit is not None and need > self.limit + _EPS:
                 continue
             if best is None or t < best[0] - _EPS or need < best[2]:
@@ -128,7 +127,7 @@ class Scoring:
         least = _INF
         for mask in masks_of(stages):
             held = sum(sv.held(s, mask) + (sv.inp[s] if layout.cross_in(s) else 0.0) for s in stages)
-            least = min(least, static + held + max((sv.act[s] for s in mask), default=0.0))
+            least = min(least, static + held + sv.rank_transient(stages, mask))
         return least
 
     def choose(
@@ -181,8 +180,7 @@ class Scoring:
         weight = [0.0] * n
         for r, stages in enumerate(layout.rank_stages):
             static = sum(sv.static[s] for s in stages)
-            transient = max((sv.act[s] for s in stages if s in recompute), default=0.0)
-            budget = self.limit - static - transient - self.margin(layout, sv, r)
+            budget = self.limit - static - sv.rank_transient(stages, recompute) - self.margin(layout, sv, r)
             if budget <= 0:
                 return None
             for s in stages:
@@ -209,7 +207,7 @@ class Scoring:
                 elif kind == KIND_W or kind == KIND_B:
                     now -= held[rest // self.M]
             static = sum(sv.static[s] for s in stages)
-            transient = max((sv.act[s] for s in stages if s in recompute), default=0.0)
+            transient = sv.rank_transient(stages, recompute)
             margin = 0.0 if optimistic else self.margin(layout, sv, r)
             if static + peak + transient + margin > self.limit + _EPS:
                 return False
@@ -331,7 +329,8 @@ class Scoring:
         for r, stages in enumerate(layout.rank_stages):
             held = [sv.act[s] + (sv.inp[s] if layout.cross_in(s) else 0.0) for s in stages]
             peak = max(sum(c * h for c, h in zip(vec, held, strict=True)) for vec in named.vectors[r])
-            out = max(out, sum(sv.static[s] for s in stages) + peak + self.margin(layout, sv, r))
+            need = sum(sv.static[s] for s in stages) + peak + sv.rank_transient(stages, frozenset())
+            out = max(out, need + self.margin(layout, sv, r))
         return out
 
     # ------------------------------------------------------------ seeds
@@ -378,7 +377,7 @@ class Scoring:
         t = f + p.pi[b] - p.pi[a] + p.pw[b] - p.pw[a]
         if self.limit is None:
             return t
-        static = p.ps[b] - p.ps[a]
+        static = p.ps[b] - p.ps[a] + p.workspace(a, b)  # with the transient every choice has
         act = p.pa[b] - p.pa[a]
         inp = p.out[a - 1] if a > 0 else 0.0
         msg = p.out[b - 1]

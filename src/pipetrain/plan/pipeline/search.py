@@ -326,7 +326,7 @@ class Search(Scoring):
     # ------------------------------------------------------------ errors
     def nothing_fits(self, searched: Sequence[Layout]) -> ScheduleError:
         """Why no plan fits: static memory alone (naming the rank and its bytes), or static with
-        one microbatch's activations (recompute everywhere)."""
+        one microbatch's activations (recompute everywhere) and the transient."""
         assert self.limit is not None
         best_static: tuple[float, int, Layout, Cut] | None = None
         best_least: tuple[float, int, Layout, Cut] | None = None
@@ -354,7 +354,7 @@ class Search(Scoring):
         value, r, layout, cut = best_least
         return ScheduleError(
             f"no plan fits {limit}: static memory fits, but with one microbatch's activations (its "
-            f"cheapest recompute choice) and message buffers rank {r} needs {format_bytes(value)} "
+            f"cheapest recompute choice), its largest workspace and message buffers rank {r} needs {format_bytes(value)} "
             f"({value:.0f} bytes) on the best cut found ({layout.label}); give more memory or a smaller microbatch"
         )
 
