@@ -72,7 +72,10 @@ def _promised(rank: int, schedule: Any, modules: list[nn.Module], keep: bool) ->
     )
     promised = simulate(schedule.schedule, costs, keep_outputs=keep).peak_memory_bytes
     assert promised is not None
-    temporaries = 3 * max(s["message_bytes"] for s in sizes)
+    # + 2 messages of timing: over 11 repeats of this test the same case's peak moved by up to 4
+    # messages between runs (GPipe's last rank 3.26-3.53 MB against 3.26 promised; which buffers
+    # are alive together depends on how far the peer ran ahead), the rest of the time within 3.
+    temporaries = 5 * max(s["message_bytes"] for s in sizes)
     return promised[rank], temporaries
 
 
@@ -145,8 +148,9 @@ def test_last_stage_peak_does_not_grow_with_microbatches() -> None:
     # 48 more microbatches, each with a 256 KB output (and a 64 KB gradient sent back): kept until
     # the step's end, they would add 12 MB (3 MB of sent gradients before issue 28's fix). One
     # output more or less is timing: which of a microbatch's buffers are freed first. (Measured from
-    # 16 on: with a few microbatches the peak itself depends on timing, 0.93-1.59 MB at 4.)
-    assert many - few < 2 * output, (few, many)
+    # 16 on: with a few microbatches the peak itself depends on timing, 0.93-1.59 MB at 4; at 16,
+    # 1.07-1.85 MB over 11 runs, at 64 1.85 MB: up to 3 outputs apart, well under the 3-12 MB it guards.)
+    assert many - few < 4 * output, (few, many)
 
 
 def _split_orders(rank: int, world: int) -> float:

@@ -126,7 +126,7 @@ def test_train_schedule_auto_plans_once_shares_and_trains(tmp_path: Path) -> Non
     out = tmp_path / "out"
     run = subprocess.run(
         [sys.executable, "-m", "pipetrain", "train", "--schedule", "auto", "--model", "tiny", "--steps", "6",
-         "--microbatches", "4", "--batch-size", "8", "--memory-limit", "600kB", "--plan-time-limit", "1",
+         "--microbatches", "4", "--batch-size", "8", "--memory-limit", "660kB", "--plan-time-limit", "1",
          "--check", "--out", str(out)],
         cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
@@ -143,8 +143,8 @@ def test_train_schedule_auto_plans_once_shares_and_trains(tmp_path: Path) -> Non
     assert [n for names in plan["stage_layers"] for n in names] == GPT(MODEL_SIZES["tiny"]).layer_names()
     # 600 kB is under what any plan without recompute holds (the tiny model's bytes are counted, not
     # timed: the same on every run): the plan recomputes, and still trains exactly (--check above).
-    assert plan["memory_limit"] == 600e3 and set(plan["peak_memory_bytes"]) == {"0", "1"}
-    assert plan["recompute"] and max(plan["peak_memory_bytes"].values()) <= 600e3
+    assert plan["memory_limit"] == 660e3 and set(plan["peak_memory_bytes"]) == {"0", "1"}
+    assert plan["recompute"] and max(plan["peak_memory_bytes"].values()) <= 660e3
     assert plan["makespan"] > 0 and len(plan["layers"]) == 4
     # One step's measured peak on each rank beside the plan's promise (issue 28: measured beside planned).
     memory = summary["memory"]

@@ -385,6 +385,8 @@ class RankExecutor:
                 self.losses[m] = self._loss(output, data.targets[m])
             if data.keep_outputs:
                 self.outputs[m] = _detach(output)
+            if data.train:  # the stage's own reference: backward needs the loss, not the output (logits)
+                self._stage(s).free_output_storage(m)
             return
         if data.train:
             self.out_specs[(s, m)] = _grad_specs(output)
