@@ -151,9 +151,12 @@ def test_without_a_memory_limit_less_memory_wins_within_the_tolerance(
     ranked = rank_schedules(8, 32, costs)
     fastest, zbv = ranked[0], next(c for c in ranked if c.name == "ZBVZeroBubble")
     assert (fastest.name, fastest.stages_per_rank, fastest.memory, zbv.memory) == ("LoopedBFS", 4, 32, 8)
-    # Whatever the search constructs in its time: no more memory than ZB-V, within 1 % of the fastest.
+    # Whatever the search constructs in its time: no more memory than ZB-V unless ZB-V is over 1 %
+    # slower than the fastest found (a constructed order can be: seen once in a fresh clone, 8.5
+    # units), and within 1 % of the fastest.
     plan = plan_schedule(8, 32, costs, time_limit=1.0)
-    assert plan.memory <= zbv.memory + 1e-9
+    fastest_found = plan.faster.makespan if plan.faster is not None else plan.makespan
+    assert plan.memory <= zbv.memory + 1e-9 or zbv.result.makespan > (1 + MEMORY_TOLERANCE) * fastest_found - 1e-9
     assert plan.makespan <= (1 + MEMORY_TOLERANCE) * min(fastest.result.makespan, plan.makespan) + 1e-9
     if plan.faster is not None:
         assert plan.faster.memory > plan.memory
