@@ -51,6 +51,8 @@ def train(schedule: str, out: Path, args: argparse.Namespace) -> dict[str, Any]:
         cmd += ["--plan-time-limit", str(args.plan_time_limit)]
         if args.memory_limit:
             cmd += ["--memory-limit", args.memory_limit]
+        if args.placement:
+            cmd += ["--placement", args.placement]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=HERE.parent, check=False)
     wall = time.perf_counter() - t0
@@ -83,6 +85,9 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--plan-time-limit", type=float, default=5.0)
     parser.add_argument("--memory-limit", default=None, help="for the planned run (default: the machine's)")
+    parser.add_argument(
+        "--placement", choices=("loop", "v"), help="for the planned run (default: the planner's choice)"
+    )
     parser.add_argument("--baseline", default="ZBVZeroBubble", help="the named schedule on the even cut")
     parser.add_argument("--json", metavar="FILE", help="also write every run's numbers there")
     args = parser.parse_args()

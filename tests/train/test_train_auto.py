@@ -60,6 +60,8 @@ def test_memory_limit_errors_on_the_command_line(capsys: pytest.CaptureFixture[s
     # A named schedule fixes the layout: the planning options would be silently ignored.
     assert main(["train", "--schedule", "1F1B", "--memory-limit", "2GiB"]) == 1
     assert "--memory-limit is for --schedule auto" in capsys.readouterr().err
+    assert main(["train", "--schedule", "1F1B", "--placement", "v"]) == 1
+    assert "--placement is for --schedule auto" in capsys.readouterr().err
     assert main(["train", "--schedule", "auto", "--plan-time-limit", "0"]) == 1
     assert "--plan-time-limit must be" in capsys.readouterr().err
     assert main(["profile", "--layers-out", "layers.txt"]) == 1
@@ -85,6 +87,18 @@ def test_plan_layers_plans_the_whole_pipeline_and_compares_with_the_even_cut() -
     # Static memory alone over the budget: the planner says so (every rank hears it, see below).
     with pytest.raises(Exception, match="static"):
         plan_layers(layers, 2, 8, 16 * MiB, "test", stages_per_rank=None, comm=0.0, time_limit=0.5)
+
+
+@pytest.mark.parametrize("placement", ["loop", "v"])
+def test_plan_layers_keeps_the_placement_asked_for(placement: str) -> None:
+    """--placement fixes the placement; the planner still chooses the cut, recompute and order."""
+    plan = plan_layers(_llm_layers(), 2, 8, 2 * 2**30, "test", stages_per_rank=None, comm=1e-5, time_limit=1.0,
+                       placement=placement)  # fmt: skip
+    ranks = [plan.schedule.stage_to_rank[s] for s in range(plan.schedule.num_stages)]
+    if placement == "v":
+        assert ranks == [0, 1, 1, 0] and plan.summary["placement"] == "v"
+    else:
+        assert all(r == s % 2 for s, r in enumerate(ranks)) and plan.summary["placement"] == "loop"
 
 
 def test_stages_are_built_from_the_plan() -> None:

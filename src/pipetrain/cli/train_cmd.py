@@ -88,6 +88,14 @@ def _add_run_arguments(train: Any, steps: int = _DEFAULTS["steps"]) -> None:
         "e.g. 2GiB, 512MiB, 80e9 (default: a GPU's memory, or this machine's shared by its ranks)",
     )
     train.add_argument(
+        "--placement",
+        choices=("loop", "v"),
+        default=None,
+        help="--schedule auto: place the stages in a loop (stage s on rank s mod P) or a V (rank r holds "
+        "r and 2P-1-r; the two middle stages share a rank, one message fewer each way) instead of "
+        "letting the planner choose",
+    )
+    train.add_argument(
         "--plan-time-limit",
         metavar="SECONDS",
         type=float,
@@ -238,6 +246,7 @@ def _run(args: argparse.Namespace) -> int:
         costs_out=args.costs_out,
         layers_out=args.layers_out,
         plan_time_limit=5.0 if args.plan_time_limit is None else args.plan_time_limit,
+        placement=args.placement,
         memory_limit=None if args.memory_limit is None else parse_memory_limit(args.memory_limit),
         json=args.json,
     )
@@ -253,8 +262,16 @@ def _run(args: argparse.Namespace) -> int:
             raise PipelineError(f"--layers-out {args.layers_out}: give a file in an existing directory")
         if os.path.splitext(args.layers_out)[1].lower() not in (".json", ".csv"):
             raise PipelineError(f"--layers-out {args.layers_out}: a layers file is .json or .csv")
-    if not is_auto(args.schedule) and (args.memory_limit is not None or args.plan_time_limit is not None):
-        used = "--memory-limit" if args.memory_limit is not None else "--plan-time-limit"
+    if not is_auto(args.schedule) and (
+        args.memory_limit is not None or args.plan_time_limit is not None or args.placement is not None
+    ):
+        used = (
+            "--memory-limit"
+            if args.memory_limit is not None
+            else "--plan-time-limit"
+            if args.plan_time_limit is not None
+            else "--placement"
+        )
         raise PipelineError(f"{used} is for --schedule auto (a named schedule or a file fixes the layout)")
     if args.plan_time_limit is not None and not 0 < args.plan_time_limit < float("inf"):
         raise PipelineError(f"--plan-time-limit must be a number of seconds > 0, got {args.plan_time_limit:g}")

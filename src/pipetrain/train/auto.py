@@ -212,6 +212,7 @@ def plan_layers(
     comm: float,
     time_limit: float,
     baseline: tuple[str, list[list[str]]] | None = None,
+    placement: str | None = None,
 ) -> LayerPlan:
     """Rank 0's plan for the profiled ``layers`` (``plan_pipeline``), with the line that says what was
     planned and how it compares, in simulation, with ``baseline`` (a named schedule and its cut) and
@@ -226,6 +227,7 @@ def plan_layers(
         num_microbatches,
         limit,
         stages_per_rank=stages_per_rank,
+        placement=placement,
         comm=comm,
         time_limit=time_limit,
     )

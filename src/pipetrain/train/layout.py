@@ -115,6 +115,7 @@ def _auto_layout(env: DistEnv, cfg: TrainConfig, device: torch.device, data: Tex
                     limit,
                     source,
                     stages_per_rank=cfg.stages_per_rank,
+                    placement=cfg.placement,
                     comm=latency,
                     time_limit=cfg.plan_time_limit,
                     baseline=("ZBVZeroBubble", even) if even is not None else None,

@@ -77,6 +77,7 @@ class TrainConfig:
     costs_out: str | None = None  # `pipetrain profile`: write the measured steps' costs there
     layers_out: str | None = None  # `pipetrain profile`: write the layer profile (the planner's layers file) there
     plan_time_limit: float = 5.0  # --schedule auto: seconds rank 0 spends planning
+    placement: str | None = None  # --schedule auto: "loop" or "v" (None: the planner chooses)
     memory_limit: float | None = None  # --schedule auto: bytes per rank (None: the machine's memory per rank)
     json: bool = False  # print the summary as JSON on stdout (everything else goes to stderr)
 
