@@ -262,16 +262,13 @@ def _run(args: argparse.Namespace) -> int:
             raise PipelineError(f"--layers-out {args.layers_out}: give a file in an existing directory")
         if os.path.splitext(args.layers_out)[1].lower() not in (".json", ".csv"):
             raise PipelineError(f"--layers-out {args.layers_out}: a layers file is .json or .csv")
-    if not is_auto(args.schedule) and (
-        args.memory_limit is not None or args.plan_time_limit is not None or args.placement is not None
-    ):
-        used = (
-            "--memory-limit"
-            if args.memory_limit is not None
-            else "--plan-time-limit"
-            if args.plan_time_limit is not None
-            else "--placement"
-        )
+    planning = {
+        "--memory-limit": args.memory_limit,
+        "--plan-time-limit": args.plan_time_limit,
+        "--placement": args.placement,
+    }
+    used = next((flag for flag, value in planning.items() if value is not None), None)
+    if not is_auto(args.schedule) and used is not None:
         raise PipelineError(f"{used} is for --schedule auto (a named schedule or a file fixes the layout)")
     if args.plan_time_limit is not None and not 0 < args.plan_time_limit < float("inf"):
         raise PipelineError(f"--plan-time-limit must be a number of seconds > 0, got {args.plan_time_limit:g}")
