@@ -140,6 +140,12 @@ def minmax_cut(weights: Sequence[float], num_stages: int, second: Sequence[float
             back[k][i] = arg
     if best[num_stages][n][0] == float("inf"):
         return None
+    return traced_cut(back, n, num_stages)
+
+
+def traced_cut(back: Sequence[Sequence[int]], n: int, num_stages: int) -> Cut:
+    """The cut a dynamic program over cuts chose: ``back[k][i]`` is where the k-th stage of the
+    best cut of the first ``i`` layers into ``k`` stages begins."""
     cut = [n]
     i = n
     for k in range(num_stages, 0, -1):

@@ -10,7 +10,7 @@ import time
 from collections.abc import Sequence
 
 from pipetrain.plan.autoplan.problem import KIND_B, KIND_F, KIND_W, Orders, Problem
-from pipetrain.plan.pipeline.cuts import Cut, sizes_of
+from pipetrain.plan.pipeline.cuts import Cut, sizes_of, traced_cut
 from pipetrain.plan.pipeline.model import Profile, StageValues, Vectors, masks_of
 from pipetrain.plan.pipeline.space import Candidate, HandSplit, Layout, Named
 from pipetrain.plan.schedule import Schedule
@@ -284,43 +284,46 @@ class Scoring:
                     break  # sorted by this makespan, which simulate reproduces for unpaired orders
             elif closest is None or peak < closest[0]:
                 closest = (peak, named, result)
-        sizes = tuple(sizes_of(cut))
+        self._record_hand_split(layout, rule, cut, best, closest)
+
+    def _record_hand_split(
+        self,
+        layout: Layout,
+        rule: str,
+        cut: Cut,
+        best: tuple[Named, SimResult, Schedule] | None,
+        closest: tuple[float, Named, SimResult] | None,
+    ) -> None:
+        """The :class:`HandSplit` row for ``cut`` (its best named schedule that fits, else the one
+        closest to fitting), and the baseline candidate when one fits."""
+        schedule: Schedule | None = None
         if best is not None:
             named, result, schedule = best
-            self.hand.append(
-                HandSplit(
-                    rule,
-                    layout.v,
-                    layout.placement,
-                    sizes,
-                    named.name,
-                    result.makespan,
-                    result.bubble,
-                    dict(result.peak_memory_bytes or {}),
-                    True,
-                )
+        elif closest is not None:
+            _, named, result = closest
+        else:
+            return
+        fits = schedule is not None
+        self.hand.append(
+            HandSplit(
+                rule,
+                layout.v,
+                layout.placement,
+                tuple(sizes_of(cut)),
+                named.name if fits else None,
+                result.makespan,
+                result.bubble,
+                dict(result.peak_memory_bytes or {}),
+                fits,
+                closest="" if fits else named.name,
             )
+        )
+        if schedule is not None:
             cand = Candidate(
                 result.makespan, layout, cut, frozenset(), named=named.name, how=f"hand split: {rule}, {named.name}"
             )
             cand.result, cand.schedule = result, schedule
             self.baseline.append(cand)
-        elif closest is not None:
-            _, named, result = closest
-            self.hand.append(
-                HandSplit(
-                    rule,
-                    layout.v,
-                    layout.placement,
-                    sizes,
-                    None,
-                    result.makespan,
-                    result.bubble,
-                    dict(result.peak_memory_bytes or {}),
-                    False,
-                    closest=named.name,
-                )
-            )
 
     def _need(self, layout: Layout, cut: Cut, named: Named) -> float:
         """The busiest rank's memory for ``named`` on ``cut`` without recompute (fast model)."""
@@ -362,12 +365,7 @@ class Scoring:
                 back[s + 1][i] = arg
         if best[n_st][n][0] == _INF:
             return None
-        cut = [n]
-        i = n
-        for s in range(n_st, 0, -1):
-            i = back[s][i]
-            cut.append(i)
-        return tuple(reversed(cut))
+        return traced_cut(back, n, n_st)
 
     def _stage_time(self, a: int, b: int, s: int, n_st: int, count: int) -> float:
         """Time of layers a..b as stage s of n_st (one per rank) at its cheapest recompute choice
