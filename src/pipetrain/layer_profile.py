@@ -3,11 +3,14 @@
 ``profile_layers(layers, sample_input, loss_fn=..., target=...)`` runs each layer on the output
 of the one before (the first on ``sample_input``, one microbatch) and measures, per layer:
 
-* ``f``, ``i``, ``w``: median seconds of its forward, its input-gradient backward (I) and its
-  weight-gradient backward (W), run by :class:`~pipetrain.stage.PipelineStage` exactly as a
-  pipeline stage runs them (pipetrain's split backward), over ``repeats`` rounds that each run
-  one microbatch through every layer (all F, then all I and all W in reverse) after two untimed
-  rounds: each action meets the caches as a pipeline leaves them, and drift touches all alike. On a GPU each is timed between
+* ``f``, ``i``, ``w``, ``b``: median seconds of its forward, its input-gradient backward (I), its
+  weight-gradient backward (W) and its whole backward in one pass (B), run by
+  :class:`~pipetrain.stage.PipelineStage` exactly as a pipeline stage runs them (pipetrain's split
+  backward, or one pass), over ``repeats`` pairs of rounds that each run one microbatch through
+  every layer (all F, then all I and all W in reverse; then all F and all B in reverse) after two
+  untimed pairs: each action meets the caches as a pipeline leaves them, and drift touches all
+  alike. Split is not free: on the bpe preset a block's I + W takes 1.26-1.31x its B, which the
+  planner weighs against the bubbles a split fills. On a GPU each is timed between
   ``synchronize`` calls. A layer whose input needs no gradient (an embedding of token ids) does
   all its backward in W, as a first stage does. The last layer's costs include ``loss_fn``.
 * ``activation_bytes``: what its forward keeps for backward, counted (not guessed from shapes):
@@ -55,6 +58,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from pipetrain.errors import PipelineError
+from pipetrain.memory import allocated_bytes, retain_freed_memory
 from pipetrain.plan import LayerCost, static_bytes_for
 from pipetrain.split import _fresh_input, _named_layers
 from pipetrain.stage import PipelineStage
@@ -316,7 +320,7 @@ class _Timed:
         self.x = x
         self.with_loss = with_loss
         self.grads: list[torch.Tensor] | None = None
-        self.times: tuple[list[float], list[float], list[float]] = ([], [], [])
+        self.times: tuple[list[float], list[float], list[float], list[float]] = ([], [], [], [])
         self._out: Any = None
 
     def _timed(self, kind: int, record: bool, fn: Callable[[], Any]) -> Any:
@@ -328,9 +332,9 @@ class _Timed:
             self.times[kind].append(time.perf_counter() - t0)
         return result
 
-    def forward(self, trial: int, record: bool) -> None:
+    def forward(self, trial: int, record: bool, track: bool = True) -> None:
         inp = _fresh_input(self.x)
-        self._out = self._timed(0, record, lambda: self.stage.forward_one_chunk(trial, (inp,)))
+        self._out = self._timed(0, record, lambda: self.stage.forward_one_chunk(trial, (inp,), track=track))
 
     def input_grad(self, trial: int, record: bool) -> None:
         out, self._out = self._out, None
@@ -339,15 +343,22 @@ class _Timed:
     def weight_grad(self, trial: int, record: bool) -> None:
         self._timed(2, record, lambda: self.stage.backward_weight_one_chunk(trial))
 
-    def _input_grad(self, trial: int, out: Any, given: list[torch.Tensor | None] | None = None) -> None:
+    def full_backward(self, trial: int, record: bool) -> None:
+        """The whole backward in one pass (a schedule's B), after an untracked forward (as the runtime runs it)."""
+        out, self._out = self._out, None
+        self._timed(3, record, lambda: self._input_grad(trial, out, full=True))
+
+    def _input_grad(
+        self, trial: int, out: Any, given: list[torch.Tensor | None] | None = None, full: bool = False
+    ) -> None:
         if self.with_loss:
-            self.stage.backward_one_chunk(trial, loss=out, full=False)
+            self.stage.backward_one_chunk(trial, loss=out, full=full)
             return
         if self.grads is None:
             roots = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
             gen = torch.Generator(device="cpu").manual_seed(0)
             self.grads = [torch.randn(t.shape, generator=gen, dtype=t.dtype).to(t.device) for t in roots]
-        self.stage.backward_one_chunk(trial, grad_outputs=list(self.grads) if given is None else given, full=False)
+        self.stage.backward_one_chunk(trial, grad_outputs=list(self.grads) if given is None else given, full=full)
 
     def held_until_w(self, trial: int) -> float | None:
         """The bytes held once I ran (until W, under a split backward), its input and output gradient
@@ -390,9 +401,9 @@ class _Timed:
         """Copies of the output gradients I is given (None for the last layer: it starts from the loss)."""
         return None if self.grads is None else [g.clone() for g in self.grads]
 
-    def medians(self) -> tuple[float, float, float]:
-        f, i, w = (statistics.median(t) for t in self.times)
-        return f, i, w
+    def medians(self) -> tuple[float, float, float, float]:
+        f, i, w, b = (statistics.median(t) for t in self.times)
+        return f, i, w, b
 
     def close(self) -> None:
         self.stage.clear()
@@ -400,30 +411,48 @@ class _Timed:
             self.stage.submod.output = None
 
 
-def _time_all(timed: Sequence[_Timed], repeats: int, warmup: int = 2) -> list[tuple[float, float, float]]:
-    """Median F, I, W seconds of every layer over ``repeats`` rounds (see :class:`_Timed`), after
-    ``warmup`` untimed rounds (one is not enough: measured, the first layers of a fresh process
-    ran 40 % slower in the second round than in the third, a head 30 %)."""
+def _time_all(timed: Sequence[_Timed], repeats: int, warmup: int = 2) -> list[tuple[float, float, float, float]]:
+    """Median F, I, W and B seconds of every layer over ``repeats`` pairs of rounds (see
+    :class:`_Timed`): one with the backward split (every F, then every I and every W in reverse),
+    one with it whole (every F untracked, then every B in reverse), after ``warmup`` untimed pairs
+    (one is not enough: measured, the first layers of a fresh process ran 40 % slower in the
+    second round than in the third, a head 30 %). F's median is over both kinds of round."""
     for round_ in range(warmup + repeats):
-        trial, record = 3 + round_, round_ >= warmup  # chunk ids 0, 1, 2: each layer's warm-up and bytes
+        trial, record = 3 + 2 * round_, round_ >= warmup  # chunk ids 0, 1, 2: each layer's warm-up and bytes
         for t in timed:
             t.forward(trial, record)
         for t in reversed(timed):
             t.input_grad(trial, record)
         for t in reversed(timed):
             t.weight_grad(trial, record)
+        for t in timed:
+            t.forward(trial + 1, record, track=False)
+        for t in reversed(timed):
+            t.full_backward(trial + 1, record)
     return [t.medians() for t in timed]
 
 
 def _allocated(device: torch.device) -> int | None:
     """Bytes allocated now (pipetrain.memory), or None where this machine's allocator cannot be read."""
-    from pipetrain.memory import allocated_bytes
-
     try:
         _sync(device)
         return allocated_bytes(device)
     except PipelineError:
         return None
+
+
+def _checked(
+    layers: Layers, model: nn.Module | None, repeats: int, loss_fn: Any, target: Any
+) -> list[tuple[str, nn.Module]]:
+    """``profile_layers``' arguments checked; its layers, named."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if (loss_fn is None) != (target is None):
+        raise ValueError("give loss_fn and target together (the loss is counted in the last layer)")
+    named = _named_layers(layers, model)
+    if not named:
+        raise ValueError("profile_layers needs at least one layer")
+    return named
 
 
 def profile_layers(
@@ -446,17 +475,16 @@ def profile_layers(
     ``sample_input`` is the first layer's input for one microbatch; ``loss_fn(output, target)``
     (optional) is counted in the last layer. ``static_bytes(params)`` replaces the default count
     (weights + gradients + ``optimizer`` state, :func:`pipetrain.plan.static_bytes_for`).
-    Times are in seconds.
+    Times are in seconds. On the CPU it first calls :func:`pipetrain.memory.retain_freed_memory`
+    (process-wide): timed one microbatch at a time, a layer with large temporaries would otherwise
+    page-fault them in every round, which a pipeline's steady state does not (a bpe head's
+    backward measured 1.4x slower that way).
     """
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
-    if (loss_fn is None) != (target is None):
-        raise ValueError("give loss_fn and target together (the loss is counted in the last layer)")
-    named = _named_layers(layers, model)
-    if not named:
-        raise ValueError("profile_layers needs at least one layer")
+    named = _checked(layers, model, repeats, loss_fn, target)
     modules = [m for _, m in named]
     device = _device_of(modules, sample_input)
+    if device.type == "cpu":
+        retain_freed_memory()
     params = {id(p): p for m in modules for p in m.parameters()}
     state = [(p, None if p.grad is None else p.grad.clone()) for p in params.values()]
     buffers = {id(b): (b, b.clone()) for m in modules for b in m.buffers()}
@@ -515,8 +543,8 @@ def profile_layers(
             prev_out_keys, prev_saved = set(out_storages), saved.storages
             x = output
         # Times, every layer once per round (see _Timed).
-        for cost, (f, i, w) in zip(costs, _time_all(timed, repeats), strict=True):
-            cost.update(f=f, i=i, w=w)
+        for cost, (f, i, w, whole) in zip(costs, _time_all(timed, repeats), strict=True):
+            cost.update(f=f, i=i, w=w, b=whole)
     finally:
         for t in timed:
             t.close()

@@ -30,7 +30,7 @@ import torch
 
 from pipetrain.errors import PipelineError
 
-__all__ = ["MemoryMeter", "StepMemory", "allocated_bytes", "measure_step", "stage_bytes"]
+__all__ = ["MemoryMeter", "StepMemory", "allocated_bytes", "measure_step", "retain_freed_memory", "stage_bytes"]
 
 
 class _MallInfo2(ctypes.Structure):
@@ -40,17 +40,43 @@ class _MallInfo2(ctypes.Structure):
     ] + [("keepcost", ctypes.c_size_t)]
 
 
-def _load_mallinfo() -> Callable[[], _MallInfo2] | None:
+def _libc() -> ctypes.CDLL | None:
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        fn = libc.mallinfo2
-    except (OSError, AttributeError):
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
         return None
-    fn.restype = _MallInfo2
+
+
+def _load_mallinfo() -> Callable[[], _MallInfo2] | None:
+    fn: Callable[[], _MallInfo2] | None = getattr(_libc(), "mallinfo2", None)
+    if fn is not None:
+        fn.restype = _MallInfo2  # type: ignore[attr-defined]
     return fn
 
 
 _MALLINFO = _load_mallinfo()
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+_MMAP_THRESHOLD_MAX = 32 << 20  # the largest glibc takes on a 64-bit machine
+_TRIM_THRESHOLD = 1 << 30
+
+
+def retain_freed_memory() -> bool:
+    """Keep the memory that large CPU tensors free in this process instead of giving it back to
+    the operating system (glibc: mmap threshold 32 MiB, trim threshold 1 GiB), as torch's caching
+    allocator does on a GPU. False where the C library is not glibc (nothing changed).
+
+    By default glibc maps each large block afresh and trims the heap's free top, so a tensor
+    allocated again every step page-faults its memory in every time. Measured on the bpe preset:
+    a head's backward (4 MiB logits gradients) took 1.4x longer timed in a profile, one microbatch
+    at a time, than in a pipeline, whose live activations keep the heap from shrinking; with
+    freed memory retained both agree, and ZB-V's training step ran 3-4 % faster. The bytes in use
+    (:func:`allocated_bytes`) do not change; the process's resident size stays at its peak.
+    Process-wide: ``pipetrain train`` and :func:`pipetrain.profile_layers` set it on the CPU."""
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None or _MALLINFO is None:  # (mallinfo2 tells glibc from other C libraries)
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)) and bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
 
 
 def allocated_bytes(device: torch.device | str = "cpu") -> int:

@@ -12,6 +12,7 @@ from torch import nn
 
 from pipetrain.layer_profile import count_peak_bytes, count_saved_bytes, profile_layers
 from pipetrain.split import _fresh_input
+from pipetrain.stage import PipelineStage
 
 V, D, T, B = 2000, 32, 16, 4
 
@@ -168,9 +169,21 @@ def test_layers_are_timed_as_a_pipeline_runs_them_one_microbatch_through_all() -
         layer.register_full_backward_pre_hook(lambda _m, _g, k=k: calls.append(f"B{k}"))
     x, y = torch.randint(0, V, (B, T)), torch.randint(0, V, (B, T))
     repeats, warmup, n = 3, 2, len(model)
-    profile_layers(model, x, loss_fn=_loss, target=y, repeats=repeats)
+    passes: list[bool] = []  # each backward's ``full``: one pass (B) or split (I, then W)
+    backward = PipelineStage.backward_one_chunk
+
+    def spy(self: PipelineStage, *args: Any, full: bool = True, **kwargs: Any) -> Any:
+        passes.append(full)
+        return backward(self, *args, full=full, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(PipelineStage, "backward_one_chunk", spy)
+        costs = profile_layers(model, x, loss_fn=_loss, target=y, repeats=repeats)
     one_round = [f"F{k}" for k in range(n)] + [f"B{k}" for k in reversed(range(n))]
-    assert calls[-(warmup + repeats) * 2 * n :] == one_round * (warmup + repeats)
+    assert calls[-(warmup + repeats) * 4 * n :] == one_round * 2 * (warmup + repeats)
+    # Each pair of rounds runs the backward split, then whole: b is a pass of its own, timed, not i + w.
+    assert passes[-(warmup + repeats) * 2 * n :] == ([False] * n + [True] * n) * (warmup + repeats)
+    assert all(c.b is not None and c.b > 0 and c.b != c.i + c.w for c in costs)
 
 
 def test_a_head_whose_loss_backward_allocates_the_logits_gradients_gets_that_workspace() -> None:

@@ -38,3 +38,13 @@ def test_split_stages_are_those_with_a_separate_weight_backward() -> None:
         program = compile_program(lowered, rank)
         flat = [a for step in program.steps for a in step.actions]
         assert flat == [a for a in lowered.actions[rank] if a is not None]
+
+
+def test_split_cells_name_each_microbatch_whose_backward_is_split() -> None:
+    """A stage that runs B for some microbatches and I, W for others tracks saved tensors only for the latter."""
+    actions = {
+        0: _program(["0F0", "0F1", "0B0", "0I1", "0W1"]),
+    }
+    program = compile_program(Schedule(actions, num_stages=1, num_microbatches=2), 0)
+    assert program.split_cells == {(0, 1)}
+    assert program.split_stages == {0}

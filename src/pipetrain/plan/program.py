@@ -14,7 +14,7 @@ from pipetrain.plan.actions import Action, ActionKind
 from pipetrain.plan.delivery import confirmed_sends
 from pipetrain.plan.schedule import Schedule
 
-__all__ = ["ProgramStep", "RankProgram", "compile_program", "split_stages"]
+__all__ = ["ProgramStep", "RankProgram", "compile_program", "split_cells", "split_stages"]
 
 
 @dataclass(frozen=True)
@@ -34,8 +34,10 @@ class ProgramStep:
 class RankProgram:
     """One rank's compiled program and the facts about it the executor needs.
 
-    ``split_stages``: the stages whose backward this rank runs as separate I and W (only their
-    forwards keep track of saved tensors). ``sends``: ``(step number, action)`` of every SEND,
+    ``split_stages``: the stages whose backward this rank runs as separate I and W;
+    ``split_cells``: the (stage, microbatch) pairs it does so for (only their forwards keep track of
+    saved tensors: a B frees what autograd saved by itself, and tracking costs a Python call per
+    saved tensor). ``sends``: ``(step number, action)`` of every SEND,
     in order, so a failing rank can tell which messages it still owes. ``confirms``: step number
     -> this rank's SENDs surely delivered once that step's inputs arrived
     (:mod:`pipetrain.plan.delivery`), whose buffers the executor then releases.
@@ -46,12 +48,18 @@ class RankProgram:
     split_stages: frozenset[int]
     sends: tuple[tuple[int, Action], ...]
     confirms: dict[int, tuple[Action, ...]] = field(default_factory=dict)
+    split_cells: frozenset[tuple[int, int]] = frozenset()
 
 
 def split_stages(actions: list[Action | None]) -> frozenset[int]:
     """The stages ``actions`` runs I or W for (a split backward)."""
+    return frozenset(stage for stage, _ in split_cells(actions))
+
+
+def split_cells(actions: list[Action | None]) -> frozenset[tuple[int, int]]:
+    """The (stage, microbatch) pairs ``actions`` runs I or W for (a split backward)."""
     return frozenset(
-        part.stage
+        (part.stage, part.microbatch or 0)
         for action in actions
         if action is not None
         for part in action.parts
@@ -88,4 +96,6 @@ def compile_program(
     confirms = {
         k: tuple(mine[step.actions[0]]) for k, step in enumerate(steps) if not step.comm and step.actions[0] in mine
     }
-    return RankProgram(rank, tuple(steps), split_stages(actions), tuple(sends), confirms)
+    cells = split_cells(actions)
+    stages = frozenset(stage for stage, _ in cells)
+    return RankProgram(rank, tuple(steps), stages, tuple(sends), confirms, cells)

@@ -344,7 +344,7 @@ class RankExecutor:
         elif kind is _K.F:
             s, m = action.stage, action.microbatch
             args, kwargs = self._forward_inputs(s, m)
-            output = self._stage(s).forward_one_chunk(m, args, kwargs, track=s in self.program.split_stages)
+            output = self._stage(s).forward_one_chunk(m, args, kwargs, track=(s, m) in self.program.split_cells)
             self._forward_output(s, m, output)
         elif kind is _K.B or kind is _K.I:
             s, m = action.stage, action.microbatch

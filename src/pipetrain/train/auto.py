@@ -96,7 +96,8 @@ def profile_model(model: nn.Sequential, sample: torch.Tensor, target: torch.Tens
 
 def with_optimizer_time(layers: Sequence[Any], model: nn.Sequential, num_microbatches: int, lr: float) -> list[Any]:
     """``layers`` with each layer's optimizer step (Adam, timed on copies of its parameters) spread
-    over the step's microbatches: ``w`` grows by Adam's seconds / ``num_microbatches``.
+    over the step's microbatches: ``w`` (and ``b``, the backward in one pass) grows by Adam's
+    seconds / ``num_microbatches``.
 
     A training step is the pipeline and then each rank's optimizer step, and the next step waits
     for the slowest rank: an embedding or a head holds as many parameters as several blocks, so
@@ -121,7 +122,8 @@ def with_optimizer_time(layers: Sequence[Any], model: nn.Sequential, num_microba
                 if trial:
                     samples.append(time.perf_counter() - t0)
             seconds = statistics.median(samples)
-        out.append(replace(layer, w=layer.w + seconds / num_microbatches, b=None))
+        share = seconds / num_microbatches
+        out.append(replace(layer, w=layer.w + share, b=layer.b + share))
     return out
 
 

@@ -86,7 +86,10 @@ def init_process_group(env: DistEnv, device: str, timeout_s: float = 300.0) -> t
         dev = torch.device("cuda", env.local_rank)
         backend = "nccl"
     elif device == "cpu":
+        from pipetrain.memory import retain_freed_memory
+
         torch.set_num_threads(1)
+        retain_freed_memory()  # (no page faults for each step's large temporaries)
         dev = torch.device("cpu")
         backend = "gloo"
     else:

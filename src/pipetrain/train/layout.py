@@ -178,14 +178,14 @@ def _layer_profile(
 
 
 def _median_layers(own: list[Any], profiles: list[list[dict[str, Any]]]) -> list[Any]:
-    """``own`` (rank 0's layers) with each layer's f, i and w the median over ``profiles``."""
+    """``own`` (rank 0's layers) with each layer's f, i, w and b the median over ``profiles``."""
     import statistics
     from dataclasses import replace
 
     out = []
     for k, layer in enumerate(own):
-        times = {key: statistics.median(p[k][key] for p in profiles) for key in ("f", "i", "w")}
-        out.append(replace(layer, f=times["f"], i=times["i"], w=times["w"], b=None))
+        times = {key: statistics.median(p[k][key] for p in profiles) for key in ("f", "i", "w", "b")}
+        out.append(replace(layer, f=times["f"], i=times["i"], w=times["w"], b=times["b"]))
     return out
 
 

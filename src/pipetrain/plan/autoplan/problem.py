@@ -94,20 +94,21 @@ class Problem:
         w: Sequence[float],
         weight: Sequence[float],
         limit: float | None,
+        b: Sequence[float] | None = None,
     ) -> Problem:
-        """This layout with other per-stage durations (``b`` = ``i + w``), memory weights and limit.
+        """This layout with other per-stage durations (``b`` default ``i + w``), memory weights and limit.
 
         The dependency tables are shared, not rebuilt (they are most of a problem's cost): a
         planner that scores one layout under many cuts of a model builds it once."""
         n = self.num_stages
-        if not len(f) == len(i) == len(w) == len(weight) == n:
+        if not len(f) == len(i) == len(w) == len(weight) == n or (b is not None and len(b) != n):
             raise ScheduleError(f"retimed needs {n} values per stage")
         new = copy.copy(self)
         values = {
             "f": tuple(f),
             "i": tuple(i),
             "w": tuple(w),
-            "b": tuple(x + y for x, y in zip(i, w, strict=True)),
+            "b": tuple(x + y for x, y in zip(i, w, strict=True)) if b is None else tuple(b),
             "weight": tuple(weight),
             "limit": limit,
         }

@@ -49,6 +49,7 @@ class Profile:
         self.pf = prefix([layer.f for layer in self.layers])
         self.pi = prefix([layer.i or 0.0 for layer in self.layers])
         self.pw = prefix([layer.w or 0.0 for layer in self.layers])
+        self.pb = prefix([layer.b or 0.0 for layer in self.layers])
         self.pa = prefix([layer.activation_bytes for layer in self.layers])
         self.pg = prefix([layer.weight_grad_bytes or 0.0 for layer in self.layers])
         self.ps = prefix([layer.static_bytes for layer in self.layers])
@@ -97,6 +98,7 @@ class StageValues:
     f: tuple[float, ...]
     i: tuple[float, ...]
     w: tuple[float, ...]
+    b: tuple[float, ...]  # the backward in one pass (a B); i + w is it split
     act: tuple[float, ...]  # sum of activation_bytes
     wgrad: tuple[float, ...]  # sum of weight_grad_bytes (what a split backward keeps from I until W)
     inp: tuple[float, ...]  # the input's size (previous layer's output; 0 for stage 0)
@@ -112,6 +114,7 @@ class StageValues:
             tuple(pf[b] - pf[a] for a, b in pairs),
             tuple(pi[b] - pi[a] for a, b in pairs),
             tuple(pw[b] - pw[a] for a, b in pairs),
+            tuple(profile.pb[b] - profile.pb[a] for a, b in pairs),
             tuple(pa[b] - pa[a] for a, b in pairs),
             tuple(profile.pg[b] - profile.pg[a] for a, b in pairs),
             tuple(out[a - 1] if a > 0 else 0.0 for a, _ in pairs),
@@ -123,14 +126,14 @@ class StageValues:
     def costs(self, recompute: frozenset[int], comm: float) -> Costs:
         """The per-stage :class:`Costs` that :func:`~pipetrain.plan.simulate` takes for this cut:
         a recomputed stage rebuilds its activations once per backward pass, as
-        :func:`pipetrain.split.recompute` does by default (``weight_grads="recompute"``): B and I
-        each cost its F more, and so does W (it holds only its input until then); its transient
+        :func:`pipetrain.split.recompute` does by default (``weight_grads="recompute"``): B (the
+        layers' ``b``, the backward in one pass) and I each cost its F more, and so does W (it holds only its input until then); its transient
         is :meth:`transient`; message sizes are the stages' outputs."""
         n = len(self.f)
         extra = [self.f[s] if s in recompute else 0.0 for s in range(n)]
         return Costs(
             f=list(self.f),
-            b=[self.i[s] + self.w[s] + extra[s] for s in range(n)],
+            b=[self.b[s] + extra[s] for s in range(n)],
             i=[self.i[s] + extra[s] for s in range(n)],
             w=[self.w[s] + extra[s] for s in range(n)],
             comm=comm,
@@ -143,6 +146,14 @@ class StageValues:
 
     def held(self, s: int, recompute: frozenset[int] | set[int]) -> float:
         return self.inp[s] if s in recompute else self.act[s]
+
+    def least_time(self, s: int, recomputed: bool = False) -> float:
+        """Stage ``s``'s least compute per microbatch: F and the cheaper backward (a recomputed
+        stage rebuilds once in B, and in I and again in W when split: :meth:`costs`)."""
+        f = self.f[s]
+        if recomputed:
+            return f + min(self.b[s] + f, self.i[s] + self.w[s] + 2 * f)
+        return f + min(self.b[s], self.i[s] + self.w[s])
 
     def transient(self, s: int, recompute: frozenset[int] | set[int]) -> float:
         """What stage ``s`` allocates only while one of its actions runs: the activations a

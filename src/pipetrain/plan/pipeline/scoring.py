@@ -102,12 +102,12 @@ class Scoring:
         stages whose memory fits under an order holding ``vectors``; None if none fits.
         ``optimistic`` leaves the message-buffer margin out: what it refuses cannot fit."""
         stages = layout.rank_stages[r]
-        base_time = sum(sv.f[s] + sv.i[s] + sv.w[s] for s in stages)
+        base_time = sum(sv.least_time(s) for s in stages)
         static = sum(sv.static[s] for s in stages)
         margin = 0.0 if optimistic else self.margin(layout, sv, r)
         best: tuple[float, frozenset[int], float] | None = None
         for mask in masks_of(stages):
-            t = base_time + 2 * sum(sv.f[s] for s in mask)  # (rebuilt in I and in W)
+            t = base_time + sum(sv.least_time(s, recomputed=True) - sv.least_time(s) for s in mask)
             if best is not None and t > best[0] + _EPS:
                 continue
             held = [sv.held(s, mask) + (sv.inp[s] if layout.cross_in(s) else 0.0) for s in stages]
@@ -171,11 +171,12 @@ class Scoring:
         # (a recomputed stage rebuilds in I and again in W: StageValues.costs)
         i = [sv.i[s] + (sv.f[s] if s in recompute else 0.0) for s in range(n)]
         w = [sv.w[s] + (sv.f[s] if s in recompute else 0.0) for s in range(n)]
+        b = [sv.b[s] + (sv.f[s] if s in recompute else 0.0) for s in range(n)]
         held = [sv.held(s, recompute) + (sv.inp[s] if layout.cross_in(s) else 0.0) for s in range(n)]
         if not budgeted or self.limit is None:
             got = self._problems.get(key)
             if got is None:
-                got = self._problems[key] = layout.base.retimed(f, i, w, held, None)
+                got = self._problems[key] = layout.base.retimed(f, i, w, held, None, b)
             return got
         weight = [0.0] * n
         for r, stages in enumerate(layout.rank_stages):
@@ -185,7 +186,7 @@ class Scoring:
                 return None
             for s in stages:
                 weight[s] = float(math.ceil(held[s] / budget * _WEIGHT_UNITS - 1e-9))
-        return layout.base.retimed(f, i, w, weight, float(_WEIGHT_UNITS))
+        return layout.base.retimed(f, i, w, weight, float(_WEIGHT_UNITS), b)
 
     def fits(
         self, layout: Layout, cut: Cut, recompute: frozenset[int], orders: Orders, optimistic: bool = False
@@ -372,7 +373,7 @@ class Scoring:
         that fits with ``count`` activations held; inf if neither fits."""
         p = self.profile
         f = p.pf[b] - p.pf[a]
-        t = f + p.pi[b] - p.pi[a] + p.pw[b] - p.pw[a]
+        t = f + min(p.pb[b] - p.pb[a], p.pi[b] - p.pi[a] + p.pw[b] - p.pw[a])
         if self.limit is None:
             return t
         static = p.ps[b] - p.ps[a] + p.workspace(a, b)  # with the transient every choice has
