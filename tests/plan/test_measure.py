@@ -59,3 +59,23 @@ def test_a_stage_that_never_ran_a_kind_gets_the_other_stages_median() -> None:
     assert costs.f == (2.0, 2.0, 1.0)  # stage 0: the median of 1 and 3
     assert costs.i == (2.0, 1.0, 3.0) and costs.w == (1.0, 0.5, 1.5)  # stage 0 ran none: the others' median
     assert costs.b == (3.0, 1.5, 4.5)
+
+
+def test_a_stage_seen_running_its_backward_one_way_gets_the_other_way_from_its_own_numbers() -> None:
+    """Stage 0 ran B only, stage 1 I and W only, stage 2 both: B on stage 1 is its own I + W (not
+    stage 0's B), I and W on stage 0 half its own B; a stage that ran both keeps what it measured."""
+    from pipetrain.plan.timeline import TimelineEvent
+
+    def ev(rank: int, label: str, kind: str, stage: int, start: float, end: float) -> TimelineEvent:
+        return TimelineEvent(rank, label, kind, stage, int(label[-1]), start, end)
+
+    tl = Timeline(
+        3,
+        [ev(0, "0F0", "F", 0, 0, 1), ev(0, "0B0", "B", 0, 9, 11), ev(1, "1F0", "F", 1, 1, 3),
+         ev(1, "1I0", "I", 1, 7, 8), ev(1, "1W0", "W", 1, 8, 12), ev(2, "2F0", "F", 2, 3, 4),
+         ev(2, "2F1", "F", 2, 4, 5), ev(2, "2B0", "B", 2, 5, 6), ev(2, "2I1", "I", 2, 6, 7),
+         ev(2, "2W1", "W", 2, 7, 8)],
+    )  # fmt: skip
+    costs = costs_from_timelines([tl], 3)
+    assert costs.b == (2.0, 5.0, 1.0)
+    assert costs.i == (1.0, 1.0, 1.0) and costs.w == (1.0, 4.0, 1.0)

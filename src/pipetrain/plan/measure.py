@@ -38,21 +38,26 @@ def costs_from_timelines(
                 samples[(e.kind, e.stage)].append(e.duration)
     if not any(samples.get(("F", s)) for s in range(num_stages)):
         raise ScheduleError("the measured timelines hold no forward (F) action")
-    per_kind: dict[str, list[float]] = {}
-    for kind in _COMPUTE:
-        measured = [
+    med: dict[str, list[float | None]] = {
+        kind.lower(): [
             statistics.median(samples[(kind, s)]) if samples.get((kind, s)) else None for s in range(num_stages)
         ]
+        for kind in _COMPUTE
+    }
+    # A stage seen running its backward one way only: the other way from its own numbers (B as
+    # I + W, I and W as half a B; a split costs more in practice, so B = I + W errs long).
+    for s in range(num_stages):
+        b, i, w = med["b"][s], med["i"][s], med["w"][s]
+        if b is None and i is not None and w is not None:
+            med["b"][s] = i + w
+        elif b is not None and i is None and w is None:
+            med["i"][s] = med["w"][s] = b / 2
+    per_kind: dict[str, list[float]] = {}
+    for kind, measured in med.items():
         known = [x for x in measured if x is not None]
-        if not known:
-            continue
-        fill = statistics.median(known)  # a stage never seen doing this kind: the others' median
-        per_kind[kind.lower()] = [fill if x is None else x for x in measured]
-    if "i" not in per_kind and "b" in per_kind:
-        per_kind["i"] = [b / 2 for b in per_kind["b"]]
-        per_kind["w"] = [b / 2 for b in per_kind["b"]]
-    if "b" not in per_kind and "i" in per_kind and "w" in per_kind:
-        per_kind["b"] = [i + w for i, w in zip(per_kind["i"], per_kind["w"], strict=True)]
+        if known:
+            fill = statistics.median(known)  # a stage never seen doing this kind: the others' median
+            per_kind[kind] = [fill if x is None else x for x in measured]
     return Costs(
         f=per_kind["f"],
         b=per_kind.get("b"),

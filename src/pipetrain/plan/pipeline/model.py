@@ -147,13 +147,9 @@ class StageValues:
     def held(self, s: int, recompute: frozenset[int] | set[int]) -> float:
         return self.inp[s] if s in recompute else self.act[s]
 
-    def least_time(self, s: int, recomputed: bool = False) -> float:
-        """Stage ``s``'s least compute per microbatch: F and the cheaper backward (a recomputed
-        stage rebuilds once in B, and in I and again in W when split: :meth:`costs`)."""
-        f = self.f[s]
-        if recomputed:
-            return f + min(self.b[s] + f, self.i[s] + self.w[s] + 2 * f)
-        return f + min(self.b[s], self.i[s] + self.w[s])
+    def least_time(self, s: int) -> float:
+        """Stage ``s``'s least compute per microbatch without recompute: F and the cheaper backward."""
+        return self.f[s] + min(self.b[s], self.i[s] + self.w[s])
 
     def transient(self, s: int, recompute: frozenset[int] | set[int]) -> float:
         """What stage ``s`` allocates only while one of its actions runs: the activations a

@@ -107,7 +107,7 @@ class Scoring:
         margin = 0.0 if optimistic else self.margin(layout, sv, r)
         best: tuple[float, frozenset[int], float] | None = None
         for mask in masks_of(stages):
-            t = base_time + sum(sv.least_time(s, recomputed=True) - sv.least_time(s) for s in mask)
+            t = base_time + 2 * sum(sv.f[s] for s in mask)  # (rebuilt in I and in W)
             if best is not None and t > best[0] + _EPS:
                 continue
             held = [sv.held(s, mask) + (sv.inp[s] if layout.cross_in(s) else 0.0) for s in stages]
