@@ -111,15 +111,19 @@ def _print_plan(plan: PipelinePlan, args: argparse.Namespace, meta: dict[str, An
         f"placement), makespan {plan.makespan:.6g}{unit}, bubble {100 * plan.bubble:.1f}%  [{plan.how}; "
         f"{plan.search_seconds:.1f} s]"
     )
-    print(f"  {'stage':>5} {'rank':>4}  {'layers':<34} {'f+i+w':>9} {'held/mb':>11} {'static':>11}  recompute")
+    # (f+b: the stage's work per microbatch with its backward in one pass; f+i+w: split, which costs more)
+    print(
+        f"  {'stage':>5} {'rank':>4}  {'layers':<34} {'f+b':>9} {'f+i+w':>9} {'held/mb':>11} {'static':>11}  recompute"
+    )
     costs, n = plan.costs, len(plan.stage_layers)
-    f, i, w = costs.per_stage("f", n), costs.per_stage("i", n), costs.per_stage("w", n)
+    f, i, w, b = (costs.per_stage(name, n) for name in ("f", "i", "w", "b"))
     held, static = costs.per_stage("activation_bytes", n), costs.per_stage("static_bytes", n)
     for s, names in enumerate(plan.stage_layers):
         span = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
         span = f"{span} ({len(names)})"
         print(
-            f"  {s:>5} {plan.stage_to_rank[s]:>4}  {span:<34} {f[s] + i[s] + w[s]:>9.4g} {format_bytes(held[s]):>11} "
+            f"  {s:>5} {plan.stage_to_rank[s]:>4}  {span:<34} {f[s] + b[s]:>9.4g} {f[s] + i[s] + w[s]:>9.4g} "
+            f"{format_bytes(held[s]):>11} "
             f"{format_bytes(static[s]):>11}  {'yes' if s in plan.recompute else ''}"
         )
     peaks = "  ".join(f"r{r} {format_bytes(b)}" for r, b in sorted(plan.peak_memory_bytes.items()))
