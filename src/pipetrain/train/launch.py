@@ -22,6 +22,7 @@ from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedExc
 
 from pipetrain.checkpoint import attempt_store
 from pipetrain.errors import PipelineError
+from pipetrain.memory import retain_freed_memory
 
 __all__ = ["DistEnv", "free_port", "init_process_group", "spawn", "torchrun_env"]
 
@@ -86,8 +87,6 @@ def init_process_group(env: DistEnv, device: str, timeout_s: float = 300.0) -> t
         dev = torch.device("cuda", env.local_rank)
         backend = "nccl"
     elif device == "cpu":
-        from pipetrain.memory import retain_freed_memory
-
         torch.set_num_threads(1)
         retain_freed_memory()  # (no page faults for each step's large temporaries)
         dev = torch.device("cpu")

@@ -185,7 +185,7 @@ def _median_layers(own: list[Any], profiles: list[list[dict[str, Any]]]) -> list
     out = []
     for k, layer in enumerate(own):
         times = {key: statistics.median(p[k][key] for p in profiles) for key in ("f", "i", "w", "b")}
-        out.append(replace(layer, f=times["f"], i=times["i"], w=times["w"], b=times["b"]))
+        out.append(replace(layer, **times))
     return out
 
 

@@ -47,7 +47,7 @@ __all__ = [
 ]
 
 LAYERS_FORMAT = "pipetrain-layers"
-_WRITTEN = (
+_FIELDS = (
     "name",
     "f",
     "i",
@@ -61,7 +61,6 @@ _WRITTEN = (
     "i_workspace_bytes",
     "i_saved_bytes",
 )
-_FIELDS = _WRITTEN
 
 BYTES_PER_PARAMETER: dict[tuple[str, str], int] = {
     # (optimizer, precision): bytes per parameter for weights + gradients + optimizer state
@@ -192,7 +191,7 @@ class LayerCost:
         return self.f + min(self.b, self.i + self.w)
 
     def to_dict(self) -> dict[str, Any]:
-        return {key: getattr(self, key) for key in _WRITTEN}
+        return {key: getattr(self, key) for key in _FIELDS}
 
 
 def as_layers(layers: Iterable[LayerCost]) -> list[LayerCost]:
@@ -399,9 +398,9 @@ def write_layers(
                 raise ScheduleError(f"meta {key!r}: a CSV comment holds one key=value line")
             out.write(f"# {key}={value}\n")
         writer = csv.writer(out, lineterminator="\n")
-        writer.writerow(_WRITTEN)
+        writer.writerow(_FIELDS)
         for layer in checked:
-            writer.writerow([layer.name, *(repr(float(getattr(layer, k))) for k in _WRITTEN[1:])])
+            writer.writerow([layer.name, *(repr(float(getattr(layer, k))) for k in _FIELDS[1:])])
         text = out.getvalue()
     with open(name, "w", encoding="utf-8") as handle:
         handle.write(text)

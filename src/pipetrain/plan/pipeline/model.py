@@ -127,8 +127,9 @@ class StageValues:
         """The per-stage :class:`Costs` that :func:`~pipetrain.plan.simulate` takes for this cut:
         a recomputed stage rebuilds its activations once per backward pass, as
         :func:`pipetrain.split.recompute` does by default (``weight_grads="recompute"``): B (the
-        layers' ``b``, the backward in one pass) and I each cost its F more, and so does W (it holds only its input until then); its transient
-        is :meth:`transient`; message sizes are the stages' outputs."""
+        layers' ``b``, the backward in one pass) and I each cost its F more, and so does W (it
+        holds only its input until then); its transient is :meth:`transient`; message sizes are
+        the stages' outputs."""
         n = len(self.f)
         extra = [self.f[s] if s in recompute else 0.0 for s in range(n)]
         return Costs(

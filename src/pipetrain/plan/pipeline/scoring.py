@@ -169,9 +169,10 @@ class Scoring:
         n = layout.num_stages
         f = list(sv.f)
         # (a recomputed stage rebuilds in I and again in W: StageValues.costs)
-        i = [sv.i[s] + (sv.f[s] if s in recompute else 0.0) for s in range(n)]
-        w = [sv.w[s] + (sv.f[s] if s in recompute else 0.0) for s in range(n)]
-        b = [sv.b[s] + (sv.f[s] if s in recompute else 0.0) for s in range(n)]
+        extra = [sv.f[s] if s in recompute else 0.0 for s in range(n)]
+        i = [sv.i[s] + extra[s] for s in range(n)]
+        w = [sv.w[s] + extra[s] for s in range(n)]
+        b = [sv.b[s] + extra[s] for s in range(n)]
         held = [sv.held(s, recompute) + (sv.inp[s] if layout.cross_in(s) else 0.0) for s in range(n)]
         if not budgeted or self.limit is None:
             got = self._problems.get(key)
