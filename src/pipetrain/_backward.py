@@ -1,17 +1,22 @@
-"""Split backward for arbitrary modules: input gradients now (I), weight gradients later (W).
+"""Split backward for arbitrary modules: I computes everything but the weight GEMMs, W runs them.
 
-The autograd graph of a microbatch is cut in two, with no custom autograd op: ``X``, the nodes
-that reach a stage input (I runs exactly these), and the weight region. During I a pre-hook on
-each *entry* (an ``X`` node with a child in the weight region) keeps the gradient it received; W
-re-runs the entries from those gradients asking for weight gradients only, so I's work is not
-redone. Saved tensors go through :class:`SavedTensors`, so between I and W a microbatch keeps
-only what its weight gradients need. Why this is exact (shared and tied weights, tensor hooks)
-and what it costs: docs/stage-and-split-backward.md.
+A microbatch's backward is one engine run (I) in which every matrix multiply whose operand is a
+parameter (``mm``, ``addmm``, ``bmm`` autograd nodes, reached through transposes, views and
+autocast casts) computes only the gradient of its activation operand: a pre-hook keeps the two
+tensors its weight gradient needs (the other operand and the output gradient) and autograd skips
+that GEMM. Every other parameter (norms, biases, embeddings, what a compiled region or a custom
+``autograd.Function`` computes) gets its gradient in I. W is then those GEMMs, straight into
+``.grad``: no autograd engine call, no graph kept, so a checkpointed region is recomputed once (in
+I) and between I and W a microbatch holds only what W reads. Why this is exact and what it
+costs: docs/stage-and-split-backward.md.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
+import weakref
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,26 +27,39 @@ from torch.autograd.graph import GradientEdge, Node
 from pipetrain.errors import PipelineError
 
 __all__ = [
+    "DeferredGemm",
     "SavedTensors",
     "WeightGradPlan",
     "backward_full",
     "backward_input",
     "backward_weight",
-    "defer_all",
+    "peeking",
 ]
 
 _tls = threading.local()
 
 
-class _Holder:
-    """One saved tensor, owned by the microbatch's store so it can be dropped on our terms."""
+def peeking() -> bool:
+    """True while I reads a GEMM's saved operand for W: a saved-tensor hook must not consume it
+    (the node itself unpacks it again right after)."""
+    return bool(getattr(_tls, "peeking", False))
 
-    __slots__ = ("release_after_input", "tensor", "version")
+
+class _Holder:
+    """One saved tensor, owned by the microbatch's store so it can be dropped on our terms.
+
+    Once its node unpacked it (a backward pass ran the node), the holder keeps only a weak
+    reference: the tensor goes as soon as the node is done with it, as in plain autograd, and a
+    second read while something still holds it (a custom Function reading ``ctx.saved_tensors``
+    twice) still works. I's read for W (:func:`peeking`) keeps it strong.
+    """
+
+    __slots__ = ("tensor", "version", "weak")
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor: torch.Tensor | None = tensor
         self.version = tensor._version
-        self.release_after_input = False
+        self.weak: weakref.ref[torch.Tensor] | None = None
 
 
 class SavedTensors:
@@ -53,7 +71,6 @@ class SavedTensors:
     def __init__(self, label: str) -> None:
         self.label = label
         self.holders: list[_Holder] = []
-        self.tracking_input_pass = False
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -65,6 +82,8 @@ class SavedTensors:
 
     def _unpack(self, holder: _Holder) -> torch.Tensor:
         tensor = holder.tensor
+        if tensor is None and holder.weak is not None:
+            tensor = holder.weak()
         if tensor is None:
             raise PipelineError(
                 f"{self.label}: a tensor saved for backward was already released "
@@ -77,20 +96,13 @@ class SavedTensors:
                 f"modified by an in-place operation after it was saved (version {holder.version} -> "
                 f"{tensor._version}); gradients would be wrong"
             )
-        if self.tracking_input_pass and not getattr(_tls, "in_entry", False):
-            holder.release_after_input = True
+        if not peeking() and holder.tensor is not None:
+            holder.weak, holder.tensor = weakref.ref(tensor), None
         return tensor
-
-    def release_input_only(self) -> None:
-        """Drop what only the I pass used (call right after I)."""
-        for holder in self.holders:
-            if holder.release_after_input:
-                holder.tensor = None
-        self.holders = [h for h in self.holders if h.tensor is not None]
 
     def release_all(self) -> None:
         for holder in self.holders:
-            holder.tensor = None
+            holder.tensor = holder.weak = None
         self.holders = []
 
     def nbytes(self) -> int:
@@ -107,32 +119,21 @@ class SavedTensors:
         return {h.tensor.untyped_storage().data_ptr() for h in self.holders if h.tensor is not None}
 
 
-@dataclass
-class _Group:
-    """One W engine call: entries whose weight regions touch, and the weights they reach."""
-
-    edges: list[GradientEdge] = field(default_factory=list)
-    grads: list[torch.Tensor] = field(default_factory=list)
-    weights: list[torch.Tensor] | None = field(default_factory=list)  # None: every leaf reached
-    pins: list[tuple[Node, tuple[torch.Tensor | None, ...]]] = field(default_factory=list)  # entry, kept grads
-    needs_pins: bool = False  # an entry reaches another through X: W walks X again (see module docs)
-
-
-@dataclass
-class WeightGradPlan:
-    """What I keeps for W: per group, the entry edges, their kept gradients and the weights."""
-
-    groups: list[_Group]
-    full_in_input_pass: str | None = None  # why I already did all of it (then W has nothing to do)
-
-    @property
-    def redoes_input_work(self) -> bool:
-        return any(g.needs_pins for g in self.groups)
-
-
-# Nodes whose backward cannot run twice (donated buffers) or refuses autograd.grad (reentrant
-# checkpoint). When one lies on the way to an input, I falls back to the full backward.
-_UNSPLITTABLE = frozenset({"CompiledFunctionBackward", "CheckpointFunctionBackward"})
+# ------------------------------------------------------------------------------ the GEMMs
+# Per autograd node type: (slot in next_functions, saved attribute of the *other* operand,
+# whether the slot is the left operand) for each operand that may be a weight.
+_GEMM_SLOTS: dict[str, tuple[tuple[int, str, bool], ...]] = {
+    "MmBackward0": ((0, "_saved_mat2", True), (1, "_saved_self", False)),
+    "AddmmBackward0": ((1, "_saved_mat2", True), (2, "_saved_mat1", False)),
+    "BmmBackward0": ((0, "_saved_mat2", True), (1, "_saved_self", False)),
+}
+_TRANSPOSES = frozenset({"TBackward0", "TransposeBackward0", "PermuteBackward0"})
+_CASTS = frozenset({"ToCopyBackward0"})
+_VIEWS = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "AliasBackward0"})
+# Opaque nodes that compute weight gradients themselves, all of them in I (named in the notice).
+_OPAQUE = {"CompiledFunctionBackward": "torch.compile'd region"}
+# Reentrant checkpointing refuses an engine run limited to some inputs: then I is the full backward.
+_REENTRANT = "CheckpointFunctionBackward"
 
 _ACCUMULATE_GRAD: type | None = getattr(getattr(torch._C, "_functions", None), "AccumulateGrad", None)
 
@@ -144,77 +145,212 @@ def _is_leaf_node(node: Node) -> bool:
     return hasattr(node, "variable")  # pragma: no cover - torch without the class exported
 
 
-def _input_nodes(inputs: Sequence[torch.Tensor]) -> list[Node]:
-    return [torch.autograd.graph.get_gradient_edge(t).node for t in inputs]
+@functools.cache
+def _peekable_types() -> tuple[type, ...]:
+    """Packed forms of a saved tensor that can be read twice: no hook, ours, pipetrain.recompute's."""
+    from pipetrain.recompute import _Slot
+
+    return (torch.Tensor, _Holder, _Slot)
 
 
-def _classify(
-    roots: Sequence[Node], input_nodes: dict[Node, int]
-) -> tuple[dict[Node, list[Node]], dict[Node, bool], dict[Node, bool]]:
-    """Walk the graph once: children of every node, and whether it reaches an input / a weight."""
-    children_of: dict[Node, list[Node]] = {}
-    reach_in: dict[Node, bool] = {}
-    reach_w: dict[Node, bool] = {}
-    stack: list[Node] = list(dict.fromkeys(roots))
-    while stack:
-        node = stack[-1]
-        if node in reach_in:
-            stack.pop()
-            continue
-        children = children_of.get(node)
-        if children is None:
-            if node in input_nodes or _is_leaf_node(node):
-                children_of[node] = []
-                reach_in[node] = node in input_nodes
-                reach_w[node] = not reach_in[node]
-                stack.pop()
-                continue
-            children = children_of[node] = [c for c, _ in node.next_functions if c is not None]
-            pending = [c for c in children if c not in reach_in]
-            if pending:
-                stack.extend(pending)
-                continue
-        stack.pop()
-        reach_in[node] = any(reach_in[c] for c in children)
-        reach_w[node] = any(reach_w[c] for c in children)
-    return children_of, reach_in, reach_w
+@dataclass
+class DeferredGemm:
+    """One weight-gradient GEMM that I skipped: ``weight.grad += op(left @ right)``.
+
+    ``left``/``right`` are filled by I's pre-hook: the weight's gradient is ``g^T a`` (weight as the
+    right operand) or ``g b^T`` (left operand), transposed when the weight reached the GEMM through
+    a transpose, scaled by ``alpha`` (addmm), cast and reshaped to the weight.
+    """
+
+    node: Node | None
+    other: str  # saved attribute of the activation operand
+    weight_is_left: bool
+    transposed: bool
+    batched: bool
+    weight: torch.Tensor
+    alpha: float = 1.0
+    g: torch.Tensor | None = None
+    a: torch.Tensor | None = None
+
+    def nbytes(self) -> int:
+        return sum(t.untyped_storage().nbytes() for t in (self.g, self.a) if t is not None)
+
+    def operands(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, y) with the weight's gradient (in the weight's own orientation) = x @ y."""
+        g, a = self.g, self.a
+        assert g is not None and a is not None
+        t = (lambda z: z.transpose(-1, -2)) if self.batched else (lambda z: z.t())
+        if self.weight_is_left:  # dW = g @ b^T, or (dW)^T = b @ g^T
+            return (a, t(g)) if self.transposed else (g, t(a))
+        return (t(g), a) if self.transposed else (t(a), g)  # dW = a^T g, or (dW)^T = g^T a
 
 
-class _UnionFind:
-    def __init__(self, n: int) -> None:
-        self.parent = list(range(n))
+@dataclass
+class WeightGradPlan:
+    """What I keeps for W: the skipped GEMMs, with their operands."""
 
-    def find(self, i: int) -> int:
-        while self.parent[i] != i:
-            self.parent[i] = self.parent[self.parent[i]]
-            i = self.parent[i]
-        return i
+    gemms: list[DeferredGemm] = field(default_factory=list)
+    full_in_input_pass: str | None = None  # why I already did all of it (then W has nothing to do)
 
-    def union(self, a: int, b: int) -> None:
-        self.parent[self.find(a)] = self.find(b)
+    def nbytes(self) -> int:
+        """Bytes W still needs (distinct storages of the kept operands)."""
+        seen: dict[int, int] = {}
+        for gemm in self.gemms:
+            for t in (gemm.g, gemm.a):
+                if t is not None:
+                    seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return sum(seen.values())
 
 
-def _entry_reaches_another(
-    entry: Node, others: set[Node], children_of: dict[Node, list[Node]], reach_in: dict[Node, bool]
-) -> bool:
-    """True if, following X nodes only, ``entry`` reaches one of ``others``."""
+@dataclass
+class _Analysis:
+    gemms: list[DeferredGemm]
+    eager_leaves: list[torch.Tensor]  # parameters (and other leaves) whose gradient I computes
+    opaque: dict[str, list[torch.Tensor]]  # what kind of opaque node -> weights it computes in I
+    unpeekable: list[torch.Tensor]  # GEMM weights whose saved operand another hook owns
+    reentrant: bool = False  # a reentrant checkpoint region: I must be the full backward
+
+
+def _chain(start: Node | None, batched: bool) -> tuple[list[Node], Node, bool, bool] | None:
+    """From a GEMM operand to its parameter: (nodes on the way, the AccumulateGrad node,
+    transposed?, cast?) when the way is transposes, casts and (untransposed) views only."""
+    nodes: list[Node] = []
+    transposed = cast = viewed = False
+    node = start
+    while node is not None and not _is_leaf_node(node):
+        name = type(node).__name__
+        if name in _TRANSPOSES:
+            if viewed or not _is_last_two_swap(node, name, batched):
+                return None
+            transposed = not transposed
+        elif name in _CASTS:
+            cast = True
+        elif name in _VIEWS:
+            if transposed:
+                return None
+            viewed = True
+        else:
+            return None
+        nodes.append(node)
+        nexts = node.next_functions
+        if len(nexts) != 1:
+            return None
+        node = nexts[0][0]
+    if node is None or (viewed and transposed):
+        return None
+    return nodes, node, transposed, cast
+
+
+def _is_last_two_swap(node: Node, name: str, batched: bool) -> bool:
+    ndim = 3 if batched else 2
+    if name == "TBackward0":
+        return not batched
+    if name == "TransposeBackward0":
+        dims = {int(getattr(node, "_saved_dim0")) % ndim, int(getattr(node, "_saved_dim1")) % ndim}  # noqa: B009
+        return dims == {ndim - 2, ndim - 1}
+    perm = tuple(int(d) % ndim for d in getattr(node, "_saved_dims"))  # noqa: B009
+    return perm == ((1, 0) if not batched else (0, 2, 1))
+
+
+def _walk(roots: Sequence[Node]) -> tuple[list[Node], dict[Node, int]]:
+    """Every node reachable from ``roots`` once, and how many edges enter each."""
+    order: list[Node] = []
+    in_count: dict[Node, int] = {}
+    stack = list(roots)
+    for r in roots:
+        in_count[r] = in_count.get(r, 0)
     seen: set[Node] = set()
-    stack = [c for c in children_of[entry] if reach_in[c]]
     while stack:
         node = stack.pop()
-        if node in others:
-            return True
         if node in seen:
             continue
         seen.add(node)
-        stack.extend(c for c in children_of[node] if reach_in[c])
-    return False
+        order.append(node)
+        for child, _ in node.next_functions:
+            if child is not None:
+                in_count[child] = in_count.get(child, 0) + 1
+                if child not in seen:
+                    stack.append(child)
+    return order, in_count
+
+
+def _has_tensor_hooks(t: torch.Tensor) -> bool:
+    return bool(getattr(t, "_backward_hooks", None))
+
+
+def _analyse(roots: Sequence[Node], input_nodes: set[Node]) -> _Analysis:
+    order, in_count = _walk(roots)
+    peekable = _peekable_types()
+    candidates: list[tuple[DeferredGemm, list[Node], Node]] = []
+    unpeekable: list[torch.Tensor] = []
+    opaque: dict[str, list[torch.Tensor]] = {}
+    leaves: list[Node] = []
+    for node in order:
+        name = type(node).__name__
+        if _is_leaf_node(node):
+            if node not in input_nodes:
+                leaves.append(node)
+            continue
+        if name == _REENTRANT:
+            return _Analysis([], [], {}, [], reentrant=True)
+        kind = _OPAQUE.get(name)
+        if kind is not None:
+            found = opaque.setdefault(kind, [])
+            found.extend(c.variable for c, _ in node.next_functions if c is not None and _is_leaf_node(c))  # type: ignore[attr-defined]
+            continue
+        slots = _GEMM_SLOTS.get(name)
+        if slots is None:
+            continue
+        nexts = node.next_functions
+        for slot, other, left in slots:
+            found_chain = _chain(nexts[slot][0], name == "BmmBackward0")
+            if found_chain is None:
+                continue
+            chain, acc, transposed, _cast = found_chain
+            weight: torch.Tensor = acc.variable  # type: ignore[attr-defined]  # AccumulateGrad nodes have .variable
+            if acc in input_nodes or _has_tensor_hooks(weight) or weight.is_sparse:
+                continue
+            if not isinstance(getattr(node, "_raw_saved" + other[len("_saved") :]).data, peekable):
+                unpeekable.append(weight)
+                continue
+            alpha = float(getattr(node, "_saved_alpha", 1.0))
+            gemm = DeferredGemm(node, other, left, transposed, name == "BmmBackward0", weight, alpha)
+            candidates.append((gemm, chain, acc))
+    gemms = _consistent(candidates, in_count)
+    deferred = {id(g.weight) for g in gemms}
+    eager = [leaf.variable for leaf in leaves if id(leaf.variable) not in deferred]  # type: ignore[attr-defined]
+    return _Analysis(gemms, eager, opaque, unpeekable)
+
+
+def _consistent(candidates: list[tuple[DeferredGemm, list[Node], Node]], in_count: dict[Node, int]) -> list[DeferredGemm]:
+    """Keep the GEMMs whose weight gets its gradient through deferred GEMMs only.
+
+    A weight also used otherwise (a tied embedding and head on one stage, a norm reusing a
+    matrix) is computed in I by autograd, all its uses together; so is every GEMM on it.
+    """
+    alive = list(candidates)
+    while True:
+        # Edges into a node from deferred parents: the GEMM slot edges, plus chain-internal edges
+        # (counted once per distinct parent node, since a shared cast has one edge onward).
+        incoming: dict[Node, int] = {}
+        parents: set[Node] = set()
+        for _gemm, chain, acc in alive:
+            path = (*chain, acc)
+            incoming[path[0]] = incoming.get(path[0], 0) + 1
+            for parent, child in zip(path, path[1:], strict=False):
+                if parent not in parents:
+                    parents.add(parent)
+                    incoming[child] = incoming.get(child, 0) + 1
+        bad = {node for node, n in incoming.items() if n != in_count.get(node, 0)}
+        if not bad:
+            return [gemm for gemm, _, _ in alive]
+        alive = [(g, c, a) for g, c, a in alive if a not in bad and not any(n in bad for n in c)]
 
 
 def _run_engine(
     edges: Sequence[GradientEdge],
     grads: Sequence[torch.Tensor],
-    inputs: Sequence[torch.Tensor] = (),
+    inputs: Sequence[torch.Tensor | GradientEdge] = (),
     *,
     keep_graph: bool,
     accumulate: bool,
@@ -237,13 +373,25 @@ def _run_engine(
     return result
 
 
-def _nonempty(grads: Sequence[torch.Tensor | None]) -> bool:
-    return any(g is not None for g in grads)
-
-
 def _roots(edges: Sequence[GradientEdge], grads: Sequence[torch.Tensor | None]) -> tuple[list[GradientEdge], list[Any]]:
     kept = [(e, g) for e, g in zip(edges, grads, strict=True) if g is not None and e.node is not None]
     return [e for e, _ in kept], [g for _, g in kept]
+
+
+def _into_inputs(
+    run: Callable[[], None], inputs: Sequence[torch.Tensor]
+) -> list[torch.Tensor | None]:
+    """Run an accumulating backward and return what it put into the stage inputs' ``.grad``
+    (which are left as they were)."""
+    previous = [t.grad for t in inputs]
+    for t in inputs:
+        t.grad = None
+    try:
+        run()
+        return [t.grad for t in inputs]
+    finally:
+        for t, g in zip(inputs, previous, strict=True):
+            t.grad = g
 
 
 def backward_full(
@@ -253,183 +401,118 @@ def backward_full(
     root_edges, root_grads = _roots(edges, grads)
     if not root_edges:
         return [None] * len(inputs)
-    previous = [t.grad for t in inputs]
-    for t in inputs:
-        t.grad = None
-    try:
+
+    def run() -> None:
         _run_engine(root_edges, root_grads, keep_graph=False, accumulate=True)
-        result = [t.grad for t in inputs]
-    finally:
-        for t, g in zip(inputs, previous, strict=True):
-            t.grad = g
-    return result
+
+    return _into_inputs(run, inputs)
 
 
-@dataclass
-class _Analysis:
-    """The split of one microbatch's graph: entries, their groups and whether a group needs pins."""
-
-    unsplittable: str | None  # type name of an X node that forbids the split, if any
-    x_entries: list[Node]  # X nodes with children in the weight region
-    root_entries: list[Node]  # output roots outside X that reach a weight
-    group_of: list[int]  # per entry (x_entries, then root_entries): its group id
-    weights: dict[int, list[torch.Tensor]]  # group id -> weights it reaches
-    pinned_groups: set[int]  # groups where one entry reaches another through X
+_noticed: set[tuple[str, str]] = set()
 
 
-def _analyse(roots: Sequence[Node], input_nodes: dict[Node, int]) -> tuple[_Analysis, dict[Node, bool]]:
-    children_of, reach_in, reach_w = _classify(roots, input_nodes)
-    unsplittable = next(
-        (type(n).__name__ for n, inside in reach_in.items() if inside and type(n).__name__ in _UNSPLITTABLE), None
-    )
-    x_entries: list[Node] = []
-    starts: list[list[Node]] = []
-    for node, inside in reach_in.items():
-        if inside and node not in input_nodes:
-            w_children = [c for c in children_of[node] if not reach_in[c] and reach_w[c]]
-            if w_children:
-                x_entries.append(node)
-                starts.append(w_children)
-    root_entries = [r for r in dict.fromkeys(roots) if not reach_in[r] and reach_w[r]]
-    starts += [[r] for r in root_entries]
-
-    # Entries whose weight regions share a node form one group (one engine call in W).
-    uf = _UnionFind(len(starts))
-    owner: dict[Node, int] = {}
-    leaf_owner: dict[Node, int] = {}
-    for idx, stack in enumerate(starts):
-        while stack:
-            node = stack.pop()
-            prev = owner.get(node)
-            if prev is not None:
-                uf.union(prev, idx)
-                continue
-            owner[node] = idx
-            if _is_leaf_node(node):
-                leaf_owner[node] = idx
-            stack.extend(c for c in children_of[node] if reach_w[c] and not reach_in[c])
-    group_of = [uf.find(i) for i in range(len(starts))]
-    weights: dict[int, list[torch.Tensor]] = {}
-    for leaf, idx in leaf_owner.items():
-        weights.setdefault(group_of[idx], []).append(leaf.variable)  # type: ignore[attr-defined]  # AccumulateGrad nodes have .variable; the Node stub lacks it
-    members: dict[int, list[Node]] = {}
-    for idx, node in enumerate(x_entries):
-        members.setdefault(group_of[idx], []).append(node)
-    pinned: set[int] = set()
-    for gid, nodes in members.items():
-        if len(nodes) > 1:
-            others = set(nodes)
-            if any(_entry_reaches_another(n, others - {n}, children_of, reach_in) for n in nodes):
-                pinned.add(gid)
-    return _Analysis(unsplittable, x_entries, root_entries, group_of, weights, pinned), reach_in
-
-
-def _input_pass(
-    root_edges: list[GradientEdge],
-    root_grads: list[Any],
-    wanted: list[torch.Tensor],
-    x_entries: list[Node],
-    saved: SavedTensors | None,
-) -> tuple[tuple[torch.Tensor | None, ...], dict[Node, tuple[torch.Tensor | None, ...]]]:
-    """Run the engine towards ``wanted`` only, keeping the gradient each X entry receives."""
-    kept: dict[Node, tuple[torch.Tensor | None, ...]] = {}
-
-    def keep_hook(node: Node) -> Callable[[tuple[torch.Tensor | None, ...]], None]:
-        def hook(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
-            kept[node] = tuple(grad_outputs)
-            _tls.in_entry = True  # saved tensors unpacked from here to leave_hook are W's too
-
-        return hook
-
-    def leave_hook(grad_inputs: Any, grad_outputs: Any) -> None:
-        _tls.in_entry = False
-
-    handles: list[Any] = []
-    try:
-        for node in x_entries:
-            handles.append(node.register_prehook(keep_hook(node)))
-            handles.append(node.register_hook(leave_hook))
-        if saved is not None:
-            saved.tracking_input_pass = True
-        grads = _run_engine(root_edges, root_grads, wanted, keep_graph=True, accumulate=False)
-    finally:
-        _tls.in_entry = False
-        if saved is not None:
-            saved.tracking_input_pass = False
-        for h in handles:
-            h.remove()
-    return grads, kept
+def _notice(label: str, analysis: _Analysis, names: Callable[[Sequence[torch.Tensor]], str]) -> None:
+    """Say once per stage and cause that some weight gradients cannot be deferred to W."""
+    causes = [(kind, f"of {names(ws)}") for kind, ws in analysis.opaque.items() if ws]
+    if analysis.unpeekable:
+        hook = "a saved-tensor hook that is not pipetrain's, e.g. torch.utils.checkpoint"
+        causes.append((hook, f"of {names(analysis.unpeekable)}"))
+    if analysis.reentrant:
+        causes.append(("reentrant torch.utils.checkpoint", "of the whole stage"))
+    for kind, what in causes:
+        if (label, kind) in _noticed:
+            continue
+        _noticed.add((label, kind))
+        warnings.warn(
+            f"{label}: the weight gradients {what} are computed in I, not deferred to W ({kind}); "
+            "the split backward gains nothing there. docs/stage-and-split-backward.md says which routes "
+            "defer them (pipetrain.recompute.checkpoint for activation checkpointing)",
+            stacklevel=4,
+        )
 
 
 def backward_input(
     edges: Sequence[GradientEdge],
     grads: Sequence[torch.Tensor | None],
     inputs: Sequence[torch.Tensor],
-    saved: SavedTensors | None = None,
+    *,
+    label: str = "stage",
+    names: Callable[[Sequence[torch.Tensor]], str] | None = None,
 ) -> tuple[list[torch.Tensor | None], WeightGradPlan]:
-    """I: input grads only; returns them and the plan W needs (entries and their gradients)."""
-    root_edges, root_grads = _roots(edges, grads)
-    result: list[torch.Tensor | None] = [None] * len(inputs)
-    if not root_edges:
-        return result, WeightGradPlan([])
-    input_node_list = _input_nodes(inputs)
-    analysis, reach_in = _analyse([e.node for e in root_edges], dict.fromkeys(input_node_list, 0))
-    if analysis.unsplittable is not None:
-        return backward_full(edges, grads, inputs), WeightGradPlan([], full_in_input_pass=analysis.unsplittable)
-    wanted = [i for i, n in enumerate(input_node_list) if reach_in.get(n)]
-    kept: dict[Node, tuple[torch.Tensor | None, ...]] = {}
-    if wanted:
-        # With pins, W walks X between entries again, so it needs everything saved: release nothing.
-        track = saved if not analysis.pinned_groups else None
-        input_grads, kept = _input_pass(root_edges, root_grads, [inputs[i] for i in wanted], analysis.x_entries, track)
-        for i, grad in zip(wanted, input_grads, strict=True):
-            result[i] = grad
-        if track is not None:
-            track.release_input_only()
+    """I: one engine run; every gradient but the weight GEMMs' (kept for W) is computed now.
 
-    groups: dict[int, _Group] = {}
-    for idx, node in enumerate(analysis.x_entries):
-        grads_in = kept.get(node)
-        if grads_in is None or not _nonempty(grads_in):
-            continue
-        group = groups.setdefault(analysis.group_of[idx], _Group())
-        group.pins.append((node, grads_in))
-        if analysis.group_of[idx] in analysis.pinned_groups:
-            group.needs_pins = True
-        for slot, grad in enumerate(grads_in):
-            if grad is not None:
-                group.edges.append(GradientEdge(node, slot))
-                group.grads.append(grad)
-    offset = len(analysis.x_entries)
-    for idx, node in enumerate(analysis.root_entries, start=offset):
-        group = groups.setdefault(analysis.group_of[idx], _Group())
-        for edge, grad in zip(root_edges, root_grads, strict=True):
-            if edge.node is node:
-                group.edges.append(edge)
-                group.grads.append(grad)
-    for gid, group in groups.items():
-        group.weights = analysis.weights.get(gid, [])
-    return result, WeightGradPlan([g for g in groups.values() if g.edges and g.weights])
-
-
-def defer_all(edges: Sequence[GradientEdge], grads: Sequence[torch.Tensor | None]) -> WeightGradPlan:
-    """I on a stage whose inputs need no gradient: nothing to compute now, W does the whole backward."""
+    Returns the input gradients and the plan W runs. The graph is freed: W needs none of it.
+    """
     root_edges, root_grads = _roots(edges, grads)
     if not root_edges:
-        return WeightGradPlan([])
-    return WeightGradPlan([_Group(edges=root_edges, grads=root_grads, weights=None)])
+        return [None] * len(inputs), WeightGradPlan()
+    input_nodes = {torch.autograd.graph.get_gradient_edge(t).node for t in inputs}
+    analysis = _analyse([e.node for e in root_edges], input_nodes)
+    if names is not None:
+        _notice(label, analysis, names)
+    if analysis.reentrant:
+        return backward_full(edges, grads, inputs), WeightGradPlan(full_in_input_pass="reentrant checkpoint")
+    handles = [gemm.node.register_prehook(_keeper(gemm)) for gemm in analysis.gemms if gemm.node is not None]
+    targets: list[torch.Tensor | GradientEdge] = [*inputs, *analysis.eager_leaves]
+    targets += [GradientEdge(gemm.node, 0) for gemm in analysis.gemms if gemm.node is not None]
+
+    def run() -> None:
+        _run_engine(root_edges, root_grads, targets, keep_graph=False, accumulate=True)
+
+    try:
+        result = _into_inputs(run, inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    gemms = [g for g in analysis.gemms if g.g is not None]
+    for gemm in analysis.gemms:
+        gemm.node = None  # the graph goes now
+    return result, WeightGradPlan(gemms)
+
+
+def _keeper(gemm: DeferredGemm) -> Callable[[tuple[torch.Tensor | None, ...]], None]:
+    def keep(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+        g = grad_outputs[0]
+        if g is None:
+            return
+        _tls.peeking = True
+        try:
+            gemm.a = getattr(gemm.node, gemm.other)
+        finally:
+            _tls.peeking = False
+        gemm.g = g
+
+    return keep
 
 
 def backward_weight(plan: WeightGradPlan) -> None:
-    """W: weight grads from what I kept; they accumulate into ``.grad`` like plain autograd."""
-    last = len(plan.groups) - 1
-    for i, group in enumerate(plan.groups):
-        # Every entry is pinned to what it received in I, which its tensor hooks (Tensor.register_hook
-        # on an intermediate) already changed: they run before node pre-hooks, and would run again.
-        handles = [node.register_prehook(lambda _g, kept=grads_in: kept) for node, grads_in in group.pins]
-        try:
-            _run_engine(group.edges, group.grads, group.weights or (), keep_graph=i != last, accumulate=True)
-        finally:
-            for h in handles:
-                h.remove()
-    plan.groups = []
+    """W: the deferred GEMMs, accumulated into ``.grad`` as autograd's AccumulateGrad would."""
+    touched: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        for gemm in plan.gemms:
+            x, y = gemm.operands()
+            w = gemm.weight
+            mul = torch.bmm if gemm.batched else torch.mm
+            grad = w.grad
+            if grad is not None and grad.dtype == x.dtype and grad.shape == (*x.shape[:-1], y.shape[-1]):
+                if gemm.batched:
+                    grad.baddbmm_(x, y, alpha=gemm.alpha)
+                else:
+                    grad.addmm_(x, y, alpha=gemm.alpha)
+            else:
+                part = mul(x, y)
+                if gemm.alpha != 1.0:
+                    part.mul_(gemm.alpha)
+                part = part.to(w.dtype).reshape(w.shape)
+                if grad is None:
+                    w.grad = part.contiguous() if not part.is_contiguous() else part
+                else:
+                    grad.add_(part)
+            gemm.g = gemm.a = None
+            touched[id(w)] = w
+    plan.gemms = []
+    for w in touched.values():
+        hooks = getattr(w, "_post_accumulate_grad_hooks", None)
+        if hooks:
+            for hook in list(hooks.values()):
+                hook(w)

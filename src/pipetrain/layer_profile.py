@@ -46,6 +46,8 @@ Measuring leaves the layers as they were: parameter gradients and buffers are re
 
 from __future__ import annotations
 
+import functools
+
 import statistics
 import time
 import weakref
@@ -377,7 +379,7 @@ class _Timed:
         return None if before is None or after is None else float(max(0, after - before))
 
     def workspace(self, trial: int) -> tuple[float | None, float | None, float]:
-        """(workspace, I's workspace, I-only saved bytes): the most its F, I or W (and its I alone)
+        """(workspace, I's workspace, I-only saved bytes): the most its F, I, W or B (and its I alone)
         allocates beyond what is held before and after the action (:class:`_Workspace`; None
         where it cannot be measured), and the bytes of saved tensors its I frees (what only I
         reads: a split backward frees them when the stage's whole I ends). Its input and output
@@ -393,6 +395,12 @@ class _Timed:
         i_saved = freed.close()  # (its output is still held here, as the next layer's input would be)
         del out
         work.run(self.stage.backward_weight_one_chunk, trial)
+        # B's own temporaries: autograd makes each weight gradient before adding it, W adds in place.
+        inp = _fresh_input(tree_map_only(torch.Tensor, torch.clone, self.x))
+        out = self.stage.forward_one_chunk(trial, (inp,), track=False)
+        del inp
+        work.run(functools.partial(self._input_grad, full=True), trial, out, self._given())
+        del out
         if work.bytes is None or work_i.bytes is None:
             return None, None, i_saved
         return max(work.bytes, work_i.bytes), work_i.bytes, i_saved

@@ -205,6 +205,9 @@ def stage_bytes(
     device = torch.device(device)
     stage = PipelineStage(module, 2 if loss_fn is not None else 1, 3, device)
     grads = {p: p.grad for p in module.parameters()}
+    for p in grads:  # gradients are static memory: made before the measurement, not counted in it
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
     x = example.detach().to(device).requires_grad_()
     with torch.enable_grad():
         before = allocated_bytes(device)

@@ -2,33 +2,30 @@
 
 ``recompute(module)`` makes ``module`` keep only its inputs from its forward: what autograd would
 save inside it is rebuilt by running its forward again when a backward first needs it. It is how a
-stage that a plan marks ``recompute`` runs (:func:`pipetrain.split.split_by_names`).
+stage that a plan marks ``recompute`` runs (:func:`pipetrain.split.split_by_names`), and
+:func:`checkpoint` is the same for a function, with ``torch.utils.checkpoint.checkpoint``'s
+signature (selective checkpointing's ``context_fn`` included).
 
-Why not ``torch.utils.checkpoint`` (non-reentrant): its rebuilt tensors live per autograd *graph
-task*, and pipetrain's split backward runs a microbatch's backward as several tasks (I, then one
-per group of weights in W). Under it, what I rebuilt but did not use stays until W, and W rebuilds
-once per weight group (four Linear layers: six forwards in all). Worse, the inputs it saves go
-through the stage's saved-tensor tracking, which releases them after I when I read them outside
-an entry node, so W fails ("already released"). Here the rebuilt tensors belong to the microbatch:
+Under a split backward the rebuild happens once per microbatch, in I (or B), and W rebuilds
+nothing: I keeps each weight GEMM's operands for W (pipetrain._backward), reading them from the
+rebuilt tensors without consuming them. torch's own non-reentrant checkpoint cannot be read that
+way (a saved tensor may be unpacked once per backward call), so under it the weight gradients are
+computed in I; :class:`~pipetrain.PipelineStage` therefore moves torch's ``checkpoint_wrapper``
+modules (torchtitan's ``apply_ac``, full and selective) and Hugging Face's gradient checkpointing
+(``use_reentrant=False``) onto :func:`checkpoint` when it is built (:func:`adopt_checkpointing`).
 
-* ``weight_grads="recompute"`` (the default): the first backward pass (B, or I) rebuilds the
-  activations once, frees each as it is used and the rest when the pass ends; W rebuilds them once
-  more, for all its weight groups together. Between F and the end of W the module holds only its
-  inputs (what the plan's memory model assumes); W costs one more forward of the module.
-* ``weight_grads="keep"``: the first pass rebuilds once and keeps what W needs (the tensors only
-  the weight gradients use), as a stage without recompute does after I. One forward more in all,
-  but between I and W the module holds W's share of its activations.
-
-A full backward (B) rebuilds once either way. The module's class is swapped for a subclass (as
-FSDP's ``fully_shard`` does), so parameter names, ``state_dict`` keys and ``isinstance`` checks
-are unchanged; ``recompute(module, enabled=False)`` undoes it. The forward runs again with the
-random state and autocast settings of the first run (dropout draws the same mask); anything else
-it changes (a BatchNorm's running statistics) changes again, as with torch's checkpointing.
+Between F and I the module holds only its inputs; from I to W the operands of its weight GEMMs
+(what any split backward keeps for W). The module's class is swapped for a subclass (as FSDP's
+``fully_shard`` does), so parameter names, ``state_dict`` keys and ``isinstance`` checks are
+unchanged; ``recompute(module, enabled=False)`` undoes it. The forward runs again with the random
+state and autocast settings of the first run (dropout draws the same mask); anything else it
+changes (a BatchNorm's running statistics) changes again, as with torch's checkpointing.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -40,7 +37,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from pipetrain import _backward
 from pipetrain.errors import PipelineError
 
-__all__ = ["is_recomputed", "recompute"]
+__all__ = ["adopt_checkpointing", "checkpoint", "is_recomputed", "recompute"]
 
 _WEIGHT_GRADS = ("recompute", "keep")
 
@@ -84,7 +81,7 @@ class _Region:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         params: Sequence[torch.Tensor],
-        keep_for_weights: bool,
+        replay_context: contextlib.AbstractContextManager[Any] | None = None,
     ) -> None:
         self.name = name
         self.run = run
@@ -107,7 +104,7 @@ class _Region:
                         },
                     )
                 )
-        self.keep_for_weights = keep_for_weights
+        self.replay_context = replay_context  # selective checkpointing: what the rebuild reuses
         self.meta: list[tuple[torch.Size, torch.dtype]] = []  # per saved tensor, checked on rebuild
         self.tensors: list[torch.Tensor | None] | None = None  # the rebuilt tensors, while held
         self.first_task: int | None = None  # the autograd graph task of the first backward pass
@@ -127,16 +124,15 @@ class _Region:
                 return self.rebuild()[i]
             if self.first_task is None:
                 self.first_task = task
-                if not self.keep_for_weights:
-                    # What the first pass rebuilt and did not use goes when it ends; W rebuilds.
-                    torch.autograd.Variable._execution_engine.queue_callback(self.end_first_pass)
+                # What the pass rebuilt and did not use goes when it ends.
+                torch.autograd.Variable._execution_engine.queue_callback(self.end_first_pass)
             if self.tensors is None or self.tensors[i] is None:
                 self.fill()
             assert self.tensors is not None
             tensor = self.tensors[i]
             assert tensor is not None
-            # W re-runs I's entry nodes (pipetrain._backward): under "keep", what they read stays.
-            if not (self.keep_for_weights and task == self.first_task and getattr(_backward._tls, "in_entry", False)):
+            # I reads a GEMM's operand for W just before the GEMM's node does (pipetrain._backward).
+            if not _backward.peeking():
                 self.tensors[i] = None
             return tensor
 
@@ -207,6 +203,8 @@ class _Region:
             stack.enter_context(torch.enable_grad())
             for kind, settings in self.autocast:
                 stack.enter_context(torch.autocast(kind, **settings))
+            if self.replay_context is not None:
+                stack.enter_context(self.replay_context)
             yield
 
 
@@ -217,23 +215,79 @@ def _unpack(slot: _Slot) -> torch.Tensor:
 class _Recomputed(nn.Module):
     """Mixin placed before a module's class by :func:`recompute` (see the module docs)."""
 
-    _pipetrain_recompute_keep: bool = False
-
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         run = super().forward
         if not torch.is_grad_enabled():
             return run(*args, **kwargs)
         first = next(self.parameters(), None)
-        region = _Region(
-            f"recomputed {type(self).__mro__[2].__name__}",  # the module's own class (after this mixin)
-            run,
-            args,
-            kwargs,
-            [] if first is None else [first],
-            self._pipetrain_recompute_keep,
-        )
-        with torch.autograd.graph.saved_tensors_hooks(region.pack, _unpack):
-            return run(*args, **kwargs)
+        name = f"recomputed {type(self).__mro__[2].__name__}"  # the module's own class (after this mixin)
+        return _run_region(name, run, args, kwargs, [] if first is None else [first], None)
+
+
+def _run_region(
+    name: str,
+    run: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    params: Sequence[torch.Tensor],
+    context_fn: Callable[[], tuple[Any, Any]] | None,
+) -> Any:
+    """Run ``run`` keeping nothing it saves for backward but the way to rebuild it."""
+    first_context, replay_context = context_fn() if context_fn is not None else (contextlib.nullcontext(), None)
+    region = _Region(name, run, args, kwargs, params, replay_context)
+    with first_context, torch.autograd.graph.saved_tensors_hooks(region.pack, _unpack):
+        return run(*args, **kwargs)
+
+
+def checkpoint(
+    function: Callable[..., Any],
+    *args: Any,
+    use_reentrant: bool | None = None,
+    context_fn: Callable[[], tuple[Any, Any]] | None = None,
+    determinism_check: str = "default",
+    debug: bool = False,
+    preserve_rng_state: bool = True,
+    early_stop: bool = True,
+    **kwargs: Any,
+) -> Any:
+    """``torch.utils.checkpoint.checkpoint`` (non-reentrant) whose rebuild a split backward shares:
+    one recompute per microbatch, I and W together (the module docs). ``context_fn`` takes
+    selective checkpointing's ``create_selective_checkpoint_contexts(policy)``. The random state
+    is always restored for the rebuild and the rebuild stops once every saved tensor is back, so
+    ``preserve_rng_state``, ``determinism_check``, ``debug`` and ``early_stop`` change nothing;
+    ``use_reentrant=True`` is handed to torch's reentrant checkpoint as asked."""
+    del determinism_check, debug, preserve_rng_state, early_stop
+    if use_reentrant:
+        from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+        return torch_checkpoint(function, *args, use_reentrant=True, **kwargs)
+    if not torch.is_grad_enabled():
+        return function(*args, **kwargs)
+    name = f"checkpointed {getattr(function, '__qualname__', type(function).__name__)}"
+    params = [p for p in function.parameters()][:1] if isinstance(function, nn.Module) else []
+    return _run_region(name, function, args, kwargs, params, context_fn)
+
+
+def adopt_checkpointing(module: nn.Module) -> int:
+    """Move torch's non-reentrant checkpointing inside ``module`` onto :func:`checkpoint`: its
+    ``checkpoint_wrapper`` modules (what torchtitan's ``apply_ac`` makes, full or selective) and
+    Hugging Face layers' ``_gradient_checkpointing_func``. Same recompute, same memory; under a
+    split backward the weight GEMMs can then wait for W. Returns how many it moved."""
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    moved = 0
+    for sub in module.modules():
+        for attr in ("checkpoint_fn", "_gradient_checkpointing_func"):
+            fn = sub.__dict__.get(attr)
+            if (
+                isinstance(fn, functools.partial)
+                and fn.func is torch_checkpoint
+                and fn.keywords.get("use_reentrant") is False
+                and not fn.args
+            ):
+                sub.__dict__[attr] = functools.partial(checkpoint, **fn.keywords)
+                moved += 1
+    return moved
 
 
 _CLASSES: dict[type, type] = {}
@@ -242,9 +296,9 @@ _CLASSES: dict[type, type] = {}
 def recompute(module: nn.Module, *, enabled: bool = True, weight_grads: str = "recompute") -> nn.Module:
     """Make ``module`` recompute its activations in backward (in place; returns ``module``).
 
-    ``weight_grads``: ``"recompute"`` (hold only the inputs until the last backward; a split
-    backward's W rebuilds again) or ``"keep"`` (rebuild once; after I keep what W needs). See the
-    module docs. ``enabled=False`` makes the module plain again.
+    ``enabled=False`` makes the module plain again. ``weight_grads`` ("recompute" or "keep")
+    chose, before W became the deferred GEMMs alone, whether W rebuilt the activations again; both
+    now rebuild once and keep W's operands from I to W (the module docs).
     """
     if weight_grads not in _WEIGHT_GRADS:
         raise ValueError(f"weight_grads must be 'recompute' or 'keep', got {weight_grads!r}")
@@ -255,7 +309,6 @@ def recompute(module: nn.Module, *, enabled: bool = True, weight_grads: str = "r
     if not enabled:
         if base is not cls:
             module.__class__ = base
-            module.__dict__.pop("_pipetrain_recompute_keep", None)
         return module
     if "forward" in module.__dict__:
         raise ValueError(
@@ -268,7 +321,6 @@ def recompute(module: nn.Module, *, enabled: bool = True, weight_grads: str = "r
         )
         _CLASSES[base] = sub
     module.__class__ = sub
-    module.__dict__["_pipetrain_recompute_keep"] = weight_grads == "keep"
     return module
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -19,16 +19,10 @@ import torch.utils._pytree as pytree
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils.hooks import RemovableHandle
 
-from pipetrain._backward import (
-    SavedTensors,
-    WeightGradPlan,
-    backward_full,
-    backward_input,
-    backward_weight,
-    defer_all,
-)
+from pipetrain._backward import SavedTensors, WeightGradPlan, backward_full, backward_input, backward_weight
 from pipetrain._streams import current_stream, on_stream
 from pipetrain.errors import PipelineError
+from pipetrain.recompute import adopt_checkpointing
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -98,9 +92,12 @@ class PipelineStage:
     autograd still needs. Turn it off for modules that cannot run under saved-tensor hooks. The
     runtimes use it only where a schedule splits the stage's backward into I and W.
 
-    ``split_backward=False`` makes I do the full backward (W then does nothing): for modules whose
-    weight gradients cannot be deferred. It happens automatically for graphs that cannot be split
-    (``torch.compile``'d regions, reentrant checkpointing) on the way to an input.
+    ``split_backward=False`` makes I do the full backward (W then does nothing). A split I
+    computes every gradient but the weight GEMMs', which W runs from what I kept
+    (docs/stage-and-split-backward.md); weight gradients that cannot wait (a ``torch.compile``'d
+    region's, reentrant checkpointing's) are computed in I, and the stage says so once. Torch's
+    non-reentrant ``checkpoint_wrapper`` modules inside ``submodule`` are moved onto
+    :func:`pipetrain.recompute.checkpoint` (same recompute, but W can still wait).
 
     Driving a first stage by hand (not through a schedule) with inputs made by a graph that
     requires grad: call :meth:`backward_into_inputs` once the step's backwards ran, as the
@@ -159,6 +156,7 @@ class PipelineStage:
         if num_stages < 1 or not 0 <= stage_index < num_stages:
             raise PipelineError(f"stage_index {stage_index} is outside 0..{num_stages - 1} (num_stages={num_stages})")
         self.submodule = submodule
+        adopt_checkpointing(submodule)
         self.stage_index = stage_index
         self.num_stages = num_stages
         self.device = _as_device(device)
@@ -204,6 +202,7 @@ class PipelineStage:
 
     @submod.setter
     def submod(self, module: torch.nn.Module) -> None:
+        adopt_checkpointing(module)
         self.submodule = module
 
     @property
@@ -323,11 +322,11 @@ class PipelineStage:
                 result = backward_full(edges, grads, state.inputs)
             elif not self.split_backward:
                 result = backward_full(edges, grads, state.inputs)
-                state.plan = WeightGradPlan([], full_in_input_pass="split_backward=False")
-            elif not state.inputs:
-                result, state.plan = [], defer_all(edges, grads)
+                state.plan = WeightGradPlan(full_in_input_pass="split_backward=False")
             else:
-                result, state.plan = backward_input(edges, grads, state.inputs, state.saved)
+                result, state.plan = backward_input(
+                    edges, grads, state.inputs, label=f"stage {self.stage_index}", names=self._module_names
+                )
         except RuntimeError as exc:
             raise PipelineError(f"{self._where(mb, kind)}: backward failed: {exc}") from exc
         if state.origins:
@@ -337,9 +336,16 @@ class PipelineStage:
         else:
             state.stream = current_stream(self.device)
             state.output_edges, state.outputs = [], []
-            if state.plan is not None and state.plan.full_in_input_pass is not None and state.saved is not None:
-                state.saved.release_all()  # I already did everything: nothing is left for W
+            if state.saved is not None:
+                state.saved.release_all()  # W holds what it reads itself; the graph is gone
         return result
+
+    def _module_names(self, weights: Sequence[torch.Tensor]) -> str:
+        """The modules (by their names in this stage) that own ``weights``, for messages."""
+        owner = {id(p): name.rpartition(".")[0] or name for name, p in self.submodule.named_parameters()}
+        found = list(dict.fromkeys(owner.get(id(w), f"a {tuple(w.shape)} tensor") for w in weights))
+        more = f" and {len(found) - 4} more" if len(found) > 4 else ""
+        return ", ".join(found[:4]) + more
 
     def backward_weight_one_chunk(self, mb: int) -> None:
         """W for ``mb``: weight grads from what I kept (accumulated into ``.grad``), then drop ``mb``."""

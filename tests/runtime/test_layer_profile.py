@@ -38,9 +38,10 @@ def test_a_gpt_like_model_profiles_layer_by_layer() -> None:
     model[4].weight.grad = torch.ones_like(model[4].weight)
     costs = profile_layers(model, x, loss_fn=_loss, target=y, repeats=2)
     assert [c.name for c in costs] == ["0", "1", "2", "3", "4"]
-    assert all(c.f > 0 and c.i >= 0 and c.w > 0 for c in costs)
-    # The embedding's input needs no gradient: all its backward is W, as on a first stage.
-    assert costs[0].i < costs[0].w
+    assert all(c.f > 0 and c.i > 0 for c in costs) and all(c.w > 0 for c in costs[1:])
+    # An embedding's gradient is no matmul: I computes it, W has nothing to defer (it measures
+    # only the call); the Linear layers' W holds their weight GEMMs.
+    assert costs[0].w < costs[0].i
     hidden = B * T * D * 4
     assert [c.output_bytes for c in costs] == [hidden] * 4 + [B * T * V * 4]
     # The head's activations include the loss's: cross-entropy keeps its log-softmax (B*T*V floats).
@@ -256,9 +257,8 @@ class _Block(nn.Module):
 def test_a_stage_of_several_layers_needs_at_most_the_workspace_the_model_gives_it() -> None:
     """Each layer profiled alone; the stage of all of them run as a pipeline stage runs it (split
     backward): the most one of its actions allocates beyond what it holds before and after is
-    within the model's stage workspace (its layers' largest, or one layer's I with the I-only
-    saved tensors of the layers after it, which the stage frees when its whole I ends), and that
-    bound is not loose. With max-of-layers alone, the stage's I would exceed it."""
+    within the model's stage workspace (its layers' largest: the stage's I frees each layer's
+    saved tensors as it goes), and that bound is not loose."""
     from pipetrain.layer_profile import _Workspace
     from pipetrain.plan.pipeline.model import Profile
     from pipetrain.stage import PipelineStage
@@ -284,5 +284,4 @@ def test_a_stage_of_several_layers_needs_at_most_the_workspace_the_model_gives_i
         work.run(stage.backward_weight_one_chunk, mb)
         assert work.bytes is not None
         measured.append(work.bytes)
-    assert max(measured) <= bound <= 1.1 * max(measured), (measured, bound)
-    assert max(c.workspace_bytes for c in layers) < 0.8 * max(measured)
+    assert max(measured) <= bound <= 1.2 * max(measured), (measured, bound)

@@ -54,26 +54,21 @@ class Profile:
         self.pg = prefix([layer.weight_grad_bytes or 0.0 for layer in self.layers])
         self.ps = prefix([layer.static_bytes for layer in self.layers])
         self.out = [layer.output_bytes for layer in self.layers]
-        # A stage's workspace (see workspace()), by two sparse tables: row j of a table holds the
-        # max over x in k .. k + 2**j - 1 of workspace_bytes[x], and of i_workspace_bytes[x] - pr[x + 1].
-        self.pr = prefix([layer.i_saved_bytes for layer in self.layers])
+        # A stage's workspace (see workspace()), by a sparse table: row j holds the max over
+        # x in k .. k + 2**j - 1 of workspace_bytes[x].
         self._work = _sparse([layer.workspace_bytes for layer in self.layers])
-        self._work_i = _sparse(
-            [(layer.i_workspace_bytes or 0.0) - self.pr[k + 1] for k, layer in enumerate(self.layers)]
-        )
         self.times = [layer.time for layer in self.layers]
         self.static = [layer.static_bytes for layer in self.layers]
 
     def workspace(self, a: int, b: int) -> float:
         """The workspace of a stage of layers ``a .. b-1`` (0 for none): what one of its actions
         allocates beyond what the stage holds before and after it. A stage runs one layer's action
-        at a time, so the largest of its layers' ``workspace_bytes``; but its I runs from its last
-        layer back and a split backward frees each layer's I-only saved tensors when the stage's
-        whole I ends, so during layer k's I the layers after k still hold their
-        ``i_saved_bytes``: the largest ``i_workspace_bytes[k]`` + those, if more."""
+        at a time and its backward frees each layer's saved tensors as that layer's part ends (as
+        plain autograd does), so the largest of its layers' ``workspace_bytes``. (``i_saved_bytes``
+        is still measured; the model no longer needs it since I stopped holding them to its end.)"""
         if b <= a:
             return 0.0
-        return max(_range_max(self._work, a, b), self.pr[b] + _range_max(self._work_i, a, b))
+        return _range_max(self._work, a, b)
 
 
 def _sparse(values: list[float]) -> list[list[float]]:
@@ -125,28 +120,30 @@ class StageValues:
 
     def costs(self, recompute: frozenset[int], comm: float) -> Costs:
         """The per-stage :class:`Costs` that :func:`~pipetrain.plan.simulate` takes for this cut:
-        a recomputed stage rebuilds its activations once per backward pass, as
-        :func:`pipetrain.split.recompute` does by default (``weight_grads="recompute"``): B (the
-        layers' ``b``, the backward in one pass) and I each cost its F more, and so does W (it
-        holds only its input until then); its transient is :meth:`transient`; message sizes are
-        the stages' outputs."""
+        a recomputed stage rebuilds its activations once per microbatch, in its first backward
+        pass, as :func:`pipetrain.split.recompute` does: B (the layers' ``b``, the backward in one
+        pass) and I each cost its F more, W nothing more (it runs the weight GEMMs from what I
+        kept); it holds its input until I and W's operands (``weight_grad_bytes``) from I to W;
+        its transient is :meth:`transient`; message sizes are the stages' outputs."""
         n = len(self.f)
         extra = [self.f[s] if s in recompute else 0.0 for s in range(n)]
         return Costs(
             f=list(self.f),
             b=[self.b[s] + extra[s] for s in range(n)],
             i=[self.i[s] + extra[s] for s in range(n)],
-            w=[self.w[s] + extra[s] for s in range(n)],
+            w=list(self.w),
             comm=comm,
-            activation_bytes=[self.held(s, recompute) for s in range(n)],
-            weight_grad_bytes=[self.inp[s] if s in recompute else self.wgrad[s] for s in range(n)],
+            activation_bytes=[self.inp[s] if s in recompute else self.act[s] for s in range(n)],
+            weight_grad_bytes=list(self.wgrad),
             message_bytes=list(self.msg),
             static_bytes=list(self.static),
             transient_bytes=[self.transient(s, recompute) for s in range(n)],
         )
 
     def held(self, s: int, recompute: frozenset[int] | set[int]) -> float:
-        return self.inp[s] if s in recompute else self.act[s]
+        """What a microbatch of stage ``s`` holds at most between its F and its last backward (the
+        fast checks' unit): a recomputed stage its input, then W's operands after I."""
+        return max(self.inp[s], self.wgrad[s]) if s in recompute else self.act[s]
 
     def least_time(self, s: int) -> float:
         """Stage ``s``'s least compute per microbatch without recompute: F and the cheaper backward."""

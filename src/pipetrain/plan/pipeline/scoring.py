@@ -107,7 +107,7 @@ class Scoring:
         margin = 0.0 if optimistic else self.margin(layout, sv, r)
         best: tuple[float, frozenset[int], float] | None = None
         for mask in masks_of(stages):
-            t = base_time + 2 * sum(sv.f[s] for s in mask)  # (rebuilt in I and in W)
+            t = base_time + sum(sv.f[s] for s in mask)  # (rebuilt once, in I or B)
             if best is not None and t > best[0] + _EPS:
                 continue
             held = [sv.held(s, mask) + (sv.inp[s] if layout.cross_in(s) else 0.0) for s in stages]
@@ -168,10 +168,10 @@ class Scoring:
         sv = self.values(cut)
         n = layout.num_stages
         f = list(sv.f)
-        # (a recomputed stage rebuilds in I and again in W: StageValues.costs)
+        # (a recomputed stage rebuilds once, in I or B: StageValues.costs)
         extra = [sv.f[s] if s in recompute else 0.0 for s in range(n)]
         i = [sv.i[s] + extra[s] for s in range(n)]
-        w = [sv.w[s] + extra[s] for s in range(n)]
+        w = list(sv.w)
         b = [sv.b[s] + extra[s] for s in range(n)]
         held = [sv.held(s, recompute) + (sv.inp[s] if layout.cross_in(s) else 0.0) for s in range(n)]
         if not budgeted or self.limit is None:
