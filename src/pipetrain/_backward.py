@@ -14,9 +14,10 @@ costs: docs/stage-and-split-backward.md.
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
-import weakref
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -179,7 +180,10 @@ class DeferredGemm:
         """(x, y) with the weight's gradient (in the weight's own orientation) = x @ y."""
         g, a = self.g, self.a
         assert g is not None and a is not None
-        t = (lambda z: z.transpose(-1, -2)) if self.batched else (lambda z: z.t())
+
+        def t(z: torch.Tensor) -> torch.Tensor:
+            return z.transpose(-1, -2)
+
         if self.weight_is_left:  # dW = g @ b^T, or (dW)^T = b @ g^T
             return (a, t(g)) if self.transposed else (g, t(a))
         return (t(g), a) if self.transposed else (t(a), g)  # dW = a^T g, or (dW)^T = g^T a
@@ -322,7 +326,9 @@ def _analyse(roots: Sequence[Node], input_nodes: set[Node]) -> _Analysis:
     return _Analysis(gemms, eager, opaque, unpeekable)
 
 
-def _consistent(candidates: list[tuple[DeferredGemm, list[Node], Node]], in_count: dict[Node, int]) -> list[DeferredGemm]:
+def _consistent(
+    candidates: list[tuple[DeferredGemm, list[Node], Node]], in_count: dict[Node, int]
+) -> list[DeferredGemm]:
     """Keep the GEMMs whose weight gets its gradient through deferred GEMMs only.
 
     A weight also used otherwise (a tied embedding and head on one stage, a norm reusing a
@@ -337,7 +343,7 @@ def _consistent(candidates: list[tuple[DeferredGemm, list[Node], Node]], in_coun
         for _gemm, chain, acc in alive:
             path = (*chain, acc)
             incoming[path[0]] = incoming.get(path[0], 0) + 1
-            for parent, child in zip(path, path[1:], strict=False):
+            for parent, child in itertools.pairwise(path):
                 if parent not in parents:
                     parents.add(parent)
                     incoming[child] = incoming.get(child, 0) + 1
@@ -348,29 +354,13 @@ def _consistent(candidates: list[tuple[DeferredGemm, list[Node], Node]], in_coun
 
 
 def _run_engine(
-    edges: Sequence[GradientEdge],
-    grads: Sequence[torch.Tensor],
-    inputs: Sequence[torch.Tensor | GradientEdge] = (),
-    *,
-    keep_graph: bool,
-    accumulate: bool,
-) -> tuple[torch.Tensor | None, ...]:
-    """One autograd engine run from gradient edges, without the Python wrappers' per-call overhead.
-
-    ``accumulate=True`` is ``autograd.backward`` (into ``.grad`` of ``inputs``, or of every leaf
-    reached when ``inputs`` is empty); ``False`` is ``autograd.grad`` (returns the gradients). The
-    engine still checks every gradient's shape against the node that receives it.
-    """
-    run = getattr(torch.autograd.graph, "_engine_run_backward", None)
-    if run is None:  # pragma: no cover - older torch
-        if accumulate:
-            torch.autograd.backward(list(edges), list(grads), retain_graph=keep_graph, inputs=list(inputs) or None)
-            return ()
-        return torch.autograd.grad(list(edges), list(inputs), list(grads), retain_graph=keep_graph, allow_unused=True)
-    result: tuple[torch.Tensor | None, ...] = run(
-        tuple(edges), tuple(grads), keep_graph, False, tuple(inputs), True, accumulate
-    )
-    return result
+    edges: Sequence[GradientEdge], grads: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor | GradientEdge] = ()
+) -> None:
+    """One accumulating autograd engine run from gradient edges (``autograd.backward``, into
+    ``.grad`` of ``inputs`` or of every leaf reached when ``inputs`` is empty; a GradientEdge in
+    ``inputs`` makes its node run), without the Python wrapper's per-call overhead. The graph is
+    freed as it runs. The engine still checks every gradient's shape against its node."""
+    torch.autograd.graph._engine_run_backward(tuple(edges), tuple(grads), False, False, tuple(inputs), True, True)
 
 
 def _roots(edges: Sequence[GradientEdge], grads: Sequence[torch.Tensor | None]) -> tuple[list[GradientEdge], list[Any]]:
@@ -378,9 +368,7 @@ def _roots(edges: Sequence[GradientEdge], grads: Sequence[torch.Tensor | None]) 
     return [e for e, _ in kept], [g for _, g in kept]
 
 
-def _into_inputs(
-    run: Callable[[], None], inputs: Sequence[torch.Tensor]
-) -> list[torch.Tensor | None]:
+def _into_inputs(run: Callable[[], None], inputs: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
     """Run an accumulating backward and return what it put into the stage inputs' ``.grad``
     (which are left as they were)."""
     previous = [t.grad for t in inputs]
@@ -403,16 +391,13 @@ def backward_full(
         return [None] * len(inputs)
 
     def run() -> None:
-        _run_engine(root_edges, root_grads, keep_graph=False, accumulate=True)
+        _run_engine(root_edges, root_grads)
 
     return _into_inputs(run, inputs)
 
 
-_noticed: set[tuple[str, str]] = set()
-
-
-def _notice(label: str, analysis: _Analysis, names: Callable[[Sequence[torch.Tensor]], str]) -> None:
-    """Say once per stage and cause that some weight gradients cannot be deferred to W."""
+def _notice(label: str, analysis: _Analysis, names: Callable[[Sequence[torch.Tensor]], str], noticed: set[str]) -> None:
+    """Say once per cause (``noticed`` holds those said) that some weight gradients cannot wait for W."""
     causes = [(kind, f"of {names(ws)}") for kind, ws in analysis.opaque.items() if ws]
     if analysis.unpeekable:
         hook = "a saved-tensor hook that is not pipetrain's, e.g. torch.utils.checkpoint"
@@ -420,9 +405,9 @@ def _notice(label: str, analysis: _Analysis, names: Callable[[Sequence[torch.Ten
     if analysis.reentrant:
         causes.append(("reentrant torch.utils.checkpoint", "of the whole stage"))
     for kind, what in causes:
-        if (label, kind) in _noticed:
+        if kind in noticed:
             continue
-        _noticed.add((label, kind))
+        noticed.add(kind)
         warnings.warn(
             f"{label}: the weight gradients {what} are computed in I, not deferred to W ({kind}); "
             "the split backward gains nothing there. docs/stage-and-split-backward.md says which routes "
@@ -438,10 +423,13 @@ def backward_input(
     *,
     label: str = "stage",
     names: Callable[[Sequence[torch.Tensor]], str] | None = None,
+    noticed: set[str] | None = None,
 ) -> tuple[list[torch.Tensor | None], WeightGradPlan]:
     """I: one engine run; every gradient but the weight GEMMs' (kept for W) is computed now.
 
     Returns the input gradients and the plan W runs. The graph is freed: W needs none of it.
+    With ``names`` (weights -> the modules owning them), what cannot wait for W is said once per
+    cause in ``noticed``.
     """
     root_edges, root_grads = _roots(edges, grads)
     if not root_edges:
@@ -449,7 +437,7 @@ def backward_input(
     input_nodes = {torch.autograd.graph.get_gradient_edge(t).node for t in inputs}
     analysis = _analyse([e.node for e in root_edges], input_nodes)
     if names is not None:
-        _notice(label, analysis, names)
+        _notice(label, analysis, names, noticed if noticed is not None else set())
     if analysis.reentrant:
         return backward_full(edges, grads, inputs), WeightGradPlan(full_in_input_pass="reentrant checkpoint")
     handles = [gemm.node.register_prehook(_keeper(gemm)) for gemm in analysis.gemms if gemm.node is not None]
@@ -457,7 +445,7 @@ def backward_input(
     targets += [GradientEdge(gemm.node, 0) for gemm in analysis.gemms if gemm.node is not None]
 
     def run() -> None:
-        _run_engine(root_edges, root_grads, targets, keep_graph=False, accumulate=True)
+        _run_engine(root_edges, root_grads, targets)
 
     try:
         result = _into_inputs(run, inputs)

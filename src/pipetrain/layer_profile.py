@@ -47,7 +47,6 @@ Measuring leaves the layers as they were: parameter gradients and buffers are re
 from __future__ import annotations
 
 import functools
-
 import statistics
 import time
 import weakref

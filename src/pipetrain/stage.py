@@ -52,6 +52,7 @@ class _Microbatch:
     out_needs_grad: list[bool] = field(default_factory=list)  # per output tensor leaf
     saved: SavedTensors | None = None
     plan: WeightGradPlan | None = None  # set by I, consumed by W
+    dw_runner: Callable[[], None] | None = None  # dw_builder's runner, built at I, called by W
     stream: Any = None  # the stream I ran on (a device with streams): W runs there too
     # First stage only: the caller's tensors behind ``inputs`` (a microbatch's view of a batch
     # that requires grad, or a leaf such as a learnable scale), which get the input gradients.
@@ -148,11 +149,8 @@ class PipelineStage:
             raise TypeError(
                 f"PipelineStage: group must be a torch.distributed ProcessGroup, got {type(group).__name__}"
             )
-        if dw_builder is not None:
-            raise PipelineError(
-                "PipelineStage: dw_builder (a hand-written weight-gradient step) is not supported: the stage "
-                "computes W itself for any module, without redoing I's work; leave dw_builder out"
-            )
+        if dw_builder is not None and not callable(dw_builder):
+            raise TypeError(f"PipelineStage: dw_builder must be callable, got {type(dw_builder).__name__}")
         if num_stages < 1 or not 0 <= stage_index < num_stages:
             raise PipelineError(f"stage_index {stage_index} is outside 0..{num_stages - 1} (num_stages={num_stages})")
         self.submodule = submodule
@@ -163,7 +161,11 @@ class PipelineStage:
         self.group = group
         self.track_saved_tensors = track_saved_tensors
         self.split_backward = split_backward
+        # torch's hook for modules that defer their own weight gradients: I is then autograd's
+        # whole backward and W calls what dw_builder() returned at I (B calls it at once).
+        self.dw_builder: Callable[[], Callable[[], None]] | None = dw_builder
         self._mbs: dict[int, _Microbatch] = {}
+        self._noticed: set[str] = set()  # causes of weight gradients computed in I, said once
         self._origin_grads: list[tuple[torch.Tensor, torch.Tensor]] = []  # see backward_into_inputs
         self._forward_contexts: OrderedDict[int, Callable[[PipelineStageInfo], AbstractContextManager[Any]]] = (
             OrderedDict()
@@ -318,14 +320,26 @@ class PipelineStage:
             raise PipelineError(f"{self._where(mb, kind)}: the input-grad backward (I) already ran")
         edges, grads = self._roots(mb, kind, state, loss, grad_outputs)
         try:
-            if full:
+            if self.dw_builder is not None:
+                result = backward_full(edges, grads, state.inputs)
+                if full:
+                    self.dw_builder()()
+                else:
+                    state.plan = WeightGradPlan(full_in_input_pass="dw_builder")
+                    state.dw_runner = self.dw_builder()
+            elif full:
                 result = backward_full(edges, grads, state.inputs)
             elif not self.split_backward:
                 result = backward_full(edges, grads, state.inputs)
                 state.plan = WeightGradPlan(full_in_input_pass="split_backward=False")
             else:
                 result, state.plan = backward_input(
-                    edges, grads, state.inputs, label=f"stage {self.stage_index}", names=self._module_names
+                    edges,
+                    grads,
+                    state.inputs,
+                    label=f"stage {self.stage_index}",
+                    names=self._module_names,
+                    noticed=self._noticed,
                 )
         except RuntimeError as exc:
             raise PipelineError(f"{self._where(mb, kind)}: backward failed: {exc}") from exc
@@ -342,8 +356,10 @@ class PipelineStage:
 
     def _module_names(self, weights: Sequence[torch.Tensor]) -> str:
         """The modules (by their names in this stage) that own ``weights``, for messages."""
+        order = {id(p): k for k, p in enumerate(self.submodule.parameters())}
         owner = {id(p): name.rpartition(".")[0] or name for name, p in self.submodule.named_parameters()}
-        found = list(dict.fromkeys(owner.get(id(w), f"a {tuple(w.shape)} tensor") for w in weights))
+        ranked = sorted(weights, key=lambda w: order.get(id(w), len(order)))
+        found = list(dict.fromkeys(owner.get(id(w), f"a {tuple(w.shape)} tensor") for w in ranked))
         more = f" and {len(found) - 4} more" if len(found) > 4 else ""
         return ", ".join(found[:4]) + more
 
@@ -356,7 +372,11 @@ class PipelineStage:
             )
         try:
             with on_stream(state.stream, self.device):
-                backward_weight(state.plan)
+                if state.dw_runner is not None:
+                    runner, state.dw_runner = state.dw_runner, None
+                    runner()
+                else:
+                    backward_weight(state.plan)
         except RuntimeError as exc:
             raise PipelineError(f"{self._where(mb, 'W')}: backward failed: {exc}") from exc
         self._drop(mb)

@@ -255,7 +255,14 @@ def test_a_planned_run_with_recompute_trains_like_plain_training(memory_limit: i
 
     costs = [
         LayerCost(
-            str(k), f=1.0, i=1.0, w=1.0, activation_bytes=100.0, output_bytes=5.0, static_bytes=10.0, weight_grad_bytes=5.0
+            str(k),
+            f=1.0,
+            i=1.0,
+            w=1.0,
+            activation_bytes=100.0,
+            output_bytes=5.0,
+            static_bytes=10.0,
+            weight_grad_bytes=5.0,
         )
         for k in range(8)
     ]

@@ -705,5 +705,5 @@ def test_torchs_extra_arguments_are_accepted_or_refused_clearly() -> None:
         PipelineStage(mod, 0, 2, "cpu", example, input_args=example)
     with pytest.raises(TypeError, match="takes at most 11 positional arguments"):
         PipelineStage(mod, 0, 2, "cpu", *([None] * 8))
-    with pytest.raises(PipelineError, match=r"dw_builder .* is not supported"):
-        PipelineStage(mod, 0, 2, "cpu", dw_builder=lambda: lambda: None)
+    with pytest.raises(TypeError, match="dw_builder must be callable"):
+        PipelineStage(mod, 0, 2, "cpu", dw_builder=3)

@@ -96,6 +96,13 @@ def _add_run_arguments(train: Any, steps: int = _DEFAULTS["steps"]) -> None:
         "letting the planner choose",
     )
     train.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="every transformer block keeps only its input from its forward and recomputes the rest in its "
+        "backward, once per microbatch (pipetrain.recompute; a split backward's W rebuilds nothing); with "
+        "--schedule auto the planner chooses what recomputes instead",
+    )
+    train.add_argument(
         "--plan-time-limit",
         metavar="SECONDS",
         type=float,
@@ -249,7 +256,13 @@ def _run(args: argparse.Namespace) -> int:
         placement=args.placement,
         memory_limit=None if args.memory_limit is None else parse_memory_limit(args.memory_limit),
         json=args.json,
+        activation_checkpointing=args.activation_checkpointing,
     )
+    if args.activation_checkpointing and is_auto(args.schedule):
+        raise PipelineError(
+            "--activation-checkpointing with --schedule auto: the planner chooses which stages recompute "
+            "(within --memory-limit); give a schedule name to checkpoint every block"
+        )
     if args.costs_out is not None and args.steps < 2:
         raise PipelineError("profile needs --steps 2 at least (the last step is not among the measured ones)")
     if args.costs_out is not None:  # found now, not after the steps it measures

@@ -70,6 +70,12 @@ def layout(env: DistEnv, cfg: TrainConfig, device: torch.device, data: TextData)
     model = GPT(mcfg)
     parts: list[nn.Module] = list(model.split(schedule.num_stages))
     layers, latency, error = _layer_profile(env, cfg, model, data, device)
+    if cfg.activation_checkpointing:
+        from pipetrain.recompute import recompute
+        from pipetrain.train.model import Block
+
+        for block in [m for part in parts for m in part.modules() if isinstance(m, Block)]:
+            recompute(block)
     model.to("cpu")
     if cfg.layers_out is not None and env.rank == 0:
         from pipetrain.train.auto import write_layers

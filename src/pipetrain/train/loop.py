@@ -80,6 +80,7 @@ class TrainConfig:
     placement: str | None = None  # --schedule auto: "loop" or "v" (None: the planner chooses)
     memory_limit: float | None = None  # --schedule auto: bytes per rank (None: the machine's memory per rank)
     json: bool = False  # print the summary as JSON on stdout (everything else goes to stderr)
+    activation_checkpointing: bool = False  # every block recomputes its activations in backward
 
     @property
     def model_config(self) -> GPTConfig:
