@@ -146,7 +146,9 @@ def _overlap_in_thread(calls: list[str]) -> Any:
     return run
 
 
-def _build(name: str, world: int, model: Any, config: Any, loss_fn: Any, parallel_dims: Any) -> Any:
+def _build(
+    name: str, world: int, model: Any, config: Any, loss_fn: Any, parallel_dims: Any, ac_config: Any = None
+) -> Any:
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed.pipeline_parallel import pipeline_llm
     from torchtitan.models.llama3 import parallelize_llama
@@ -171,7 +173,7 @@ def _build(name: str, world: int, model: Any, config: Any, loss_fn: Any, paralle
                 pipeline_parallel_microbatch_size=1,
             ),
             compile_config=CompileConfig(),
-            ac_config=None,
+            ac_config=ac_config,
             dump_folder=dump,
             device=torch.device("cpu"),
             model_config=config,
@@ -307,6 +309,89 @@ def test_torchtitan_pipeline_llm_runs_on_pipetrain() -> None:
         torch.testing.assert_close(torch.tensor(on_pipetrain), torch.tensor(on_torch))
 
 
+def _ac_worker(rank: int, world: int) -> dict[str, Any]:
+    """torchtitan's own activation checkpointing (its apply_ac, full and selective) under the
+    zero-bubble schedules: pipetrain's stages take torch's checkpoint wrappers onto
+    pipetrain.recompute.checkpoint, each block runs its forward twice per microbatch, and the
+    gradients are plain training's and torch's 1F1B's under the same checkpointing."""
+    import torchtitan.distributed.parallel_dims as titan_dims
+    import torchtitan.distributed.pipeline_parallel as titan_pp
+    from torchtitan.components.loss import CrossEntropyLoss
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+    from pipetrain.recompute import checkpoint as pipetrain_checkpoint
+
+    titan_dims.device_type = "cpu"
+    parallel_dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=world, ep=1, world_size=world)
+    parallel_dims.build_mesh()
+    config = _tiny_llama3()
+    loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config())
+    tokens, positions, labels = _packed_batch([7] * N_MB)
+    gvt = torch.tensor(sum(y.numel() for y in labels))
+    torch.manual_seed(0)
+    plain_model = config.build()
+    plain_model.init_states()
+    _, plain = _plain(plain_model, loss_fn, (tokens, positions, labels), gvt)
+    report: dict[str, Any] = {}
+    for ac_name, ac in (("full", FullAC.Config()), ("selective", SelectiveAC.Config())):
+        for name, runtime in (
+            ("1F1B", "torch"),
+            ("ZBVZeroBubble", "pipetrain"),
+            ("InterleavedZeroBubble", "pipetrain"),
+        ):
+            original = _point_imports_at_pipetrain(titan_pp) if runtime == "pipetrain" else {}
+            try:
+                torch.manual_seed(0)
+                model = config.build()
+                model.init_states()
+                schedule, parts, first, last = _build(name, world, model, config, loss_fn, parallel_dims, ac)
+                wrappers = [m for part in parts for m in part.modules() if hasattr(m, "checkpoint_fn")]
+                adopted = [getattr(w.checkpoint_fn, "func", None) is pipetrain_checkpoint for w in wrappers]
+                forwards = [0]
+                blocks = [m for w in wrappers for m in w.children()]
+                for block in blocks:
+                    block.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+                losses: list[torch.Tensor] = []
+                schedule.step(
+                    *((torch.cat(tokens),) if first else ()),
+                    target=torch.cat(labels) if last else None,
+                    losses=losses if last else None,
+                    loss_kwargs={"global_valid_tokens": gvt},
+                    positions=torch.cat(positions),
+                    return_outputs=False,
+                )
+            finally:
+                for bound, value in original.items():
+                    setattr(titan_pp, bound, value)
+            got = {n.replace("_checkpoint_wrapped_module.", ""): g for n, g in _grads(parts).items()}
+            assert got, f"{ac_name} {name}: rank {rank} holds no parameters"
+            for n, g in got.items():
+                torch.testing.assert_close(g, plain[n], msg=lambda m, n=n, s=f"{ac_name} {name}": f"{s} {n}: {m}")
+            report[f"{ac_name} {name}"] = {
+                "wrappers": len(wrappers),
+                "adopted": all(adopted) and bool(adopted),
+                "forwards_per_block_and_microbatch": forwards[0] / (len(blocks) * N_MB) if blocks else 0,
+            }
+    return report
+
+
+def test_torchtitans_activation_checkpointing_under_zero_bubble_schedules() -> None:
+    reports = run_ranks(_ac_worker, 2, timeout=240)
+    for key in reports[0]:
+        assert sum(r[key]["wrappers"] for r in reports) == 2, key  # both blocks checkpointed, somewhere
+    for report in reports:
+        for key, entry in report.items():
+            if not entry["wrappers"]:
+                continue
+            if "1F1B" in key:  # torch's runtime: its stages keep torch's checkpoint; its first step
+                assert not entry["adopted"], key  # also runs a shape-inference forward
+                assert entry["forwards_per_block_and_microbatch"] >= 2, (key, entry)
+            else:
+                assert entry["adopted"], key
+                assert entry["forwards_per_block_and_microbatch"] == 2, (key, entry)
+
+
 def _planned_worker(rank: int, world: int) -> dict[str, Any]:
     """plan_pipeline's cut, exported as torchtitan's module_fqns_per_model_part, through torchtitan's
     own pipeline_llm (its _pipeline_module_split cuts the Llama by those names), its schedule loaded
@@ -368,7 +453,7 @@ def _planned_worker(rank: int, world: int) -> dict[str, Any]:
                 pipeline_parallel_microbatch_size=1,
             ),
             compile_config=CompileConfig(),
-            ac_config=None,
+            ac_config=ac_config,
             dump_folder=dump,
             device=torch.device("cpu"),
             model_config=config,
