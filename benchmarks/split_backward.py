@@ -111,7 +111,8 @@ def subject(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.Tensor, st
         title = f"MLP {args.layers}x Linear({args.width},{args.width})+GELU, batch {args.batch}"
         return build(args.width, args.layers), torch.randn(args.batch, args.width), title, forwards
     blocks, x = bpe_blocks(args.blocks, args.wide)
-    blocks[0].register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    # (on a layer inside: a recomputed block's rebuild calls its forward, not the module)
+    blocks[0].ln1.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
     module = torch.nn.Sequential(*[wrap(b, args.ac, args.compile) for b in blocks])
     shape = "d_model 256, 2 x 128 tokens" if args.wide else "bpe, d_model 224, 2 x 64 tokens"
     how = [f"checkpointed ({args.ac})"] if args.ac != "none" else []

@@ -351,7 +351,7 @@ def _ac_worker(rank: int, world: int) -> dict[str, Any]:
                 forwards = [0]
                 blocks = [m for w in wrappers for m in w.children()]
                 for block in blocks:
-                    block.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+                    block.register_forward_pre_hook(lambda *_, n=forwards: n.__setitem__(0, n[0] + 1))
                 losses: list[torch.Tensor] = []
                 schedule.step(
                     *((torch.cat(tokens),) if first else ()),
@@ -453,7 +453,7 @@ def _planned_worker(rank: int, world: int) -> dict[str, Any]:
                 pipeline_parallel_microbatch_size=1,
             ),
             compile_config=CompileConfig(),
-            ac_config=ac_config,
+            ac_config=None,
             dump_folder=dump,
             device=torch.device("cpu"),
             model_config=config,
