@@ -422,6 +422,21 @@ def main() -> int:
         truth = Path(__file__).with_name("memory_truth.py")
         done = subprocess.run([sys.executable, str(truth), "--device", "cuda", "--ranks", ranks], check=False)
         ok = ok and done.returncode == 0
+    if device.type == "cuda":
+        # The split backward's price on the GPU (issue 35): (I + W) / B on transformer blocks,
+        # eager, checkpointed (pipetrain's route and torch's wrapper) and compiled.
+        split = Path(__file__).with_name("split_backward.py")
+        print("\nbenchmarks/split_backward.py --device cuda --blocks 4 --wide ((I + W) / B, W's share):")
+        for extra in (["--ac", "none"], ["--ac", "pipetrain"], ["--ac", "wrapper"], ["--compile"]):
+            sys.stdout.flush()
+            args = ["--device", "cuda", "--blocks", "4", "--wide", "--reps", "20", *extra]
+            done = subprocess.run([sys.executable, str(split), *args], check=False, capture_output=True, text=True)
+            lines = [ln for ln in done.stdout.splitlines() if ln.startswith(("ratio", "largest"))]
+            print(
+                f"  {' '.join(extra):<16} "
+                + ("; ".join(lines) if done.returncode == 0 else "FAILED " + done.stderr[-300:])
+            )
+            ok = ok and done.returncode == 0
     if not opts.skip_bench and device.type == "cuda":
         ranks = "2" if gpus >= 2 else "1"  # one GPU: one process holds every stage, in both libraries
         bench = Path(__file__).with_name("runtime_vs_torch.py")

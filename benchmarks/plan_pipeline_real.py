@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,14 +39,15 @@ def load() -> str:
         return "unknown"
 
 
-def train(schedule: str, out: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """One `pipetrain train` run; its summary, with the wall time of the whole command."""
+def train(schedule: str, out: Path, args: argparse.Namespace, extra: Sequence[str] = ()) -> dict[str, Any]:
+    """One `pipetrain train` run (``extra``: more options); its summary, with the wall time of the whole command."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"
     cmd = [
         sys.executable, "-m", "pipetrain", "train", "--schedule", schedule, "--model", args.model,
         "--ranks", "2", "--steps", str(args.steps), "--microbatches", str(args.microbatches),
         "--batch-size", str(args.batch_size), "--out", str(out),
+        *extra,
     ]  # fmt: skip
     if schedule == "auto":
         cmd += ["--plan-time-limit", str(args.plan_time_limit)]

@@ -101,6 +101,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--wide", action="store_true", help="blocks of d_model 256, 4 heads, 128 tokens")
     parser.add_argument("--ac", choices=["none", "pipetrain", "wrapper", "sac", "torch"], default="none")
     parser.add_argument("--compile", action="store_true", help="torch.compile every block (aot_eager)")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (timed with a synchronize around each)")
     return parser.parse_args()
 
 
@@ -123,23 +124,30 @@ def subject(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.Tensor, st
 class Bench:
     """B, I and W of one microbatch through one stage, and torch's split on the same module."""
 
-    def __init__(self, module: torch.nn.Module, x: torch.Tensor, first: bool) -> None:
+    def __init__(self, module: torch.nn.Module, x: torch.Tensor, first: bool, device: str = "cpu") -> None:
+        self.device = torch.device(device)
+        module.to(self.device)
         self.torch_module = copy.deepcopy(module)  # as torch's stage runs it (no checkpoint adopted)
-        self.stage = PipelineStage(module, 0 if first else 1, 2, "cpu")
-        self.x, self.first = x, first
-        self.grad = torch.randn_like(x)
+        self.stage = PipelineStage(module, 0 if first else 1, 2, self.device)
+        self.x, self.first = x.to(self.device), first
+        self.grad = torch.randn_like(self.x)
+
+    def now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def run(self, split: bool) -> tuple[float, float]:
         stage = self.stage
         stage.forward_one_chunk(0, (self.x.clone().requires_grad_(not self.first),))
-        t0 = time.perf_counter()
+        t0 = self.now()
         if not split:
             stage.backward_one_chunk(0, grad_outputs=[self.grad], full=True)
-            return time.perf_counter() - t0, 0.0
+            return self.now() - t0, 0.0
         stage.backward_one_chunk(0, grad_outputs=[self.grad], full=False)
-        t1 = time.perf_counter()
+        t1 = self.now()
         stage.backward_weight_one_chunk(0)
-        return t1 - t0, time.perf_counter() - t1
+        return t1 - t0, self.now() - t1
 
     def run_torch(self) -> float:
         from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
@@ -147,10 +155,10 @@ class Bench:
         inp = self.x.clone().requires_grad_(not self.first)
         out = self.torch_module(inp)
         params = list(self.torch_module.parameters())
-        t0 = time.perf_counter()
+        t0 = self.now()
         _, groups = stage_backward_input([out], [self.grad], [inp], iter(params))
         stage_backward_weight(iter(params), groups)
-        return time.perf_counter() - t0
+        return self.now() - t0
 
     def grads_differ(self) -> float:
         """The largest difference between B's and I+W's parameter gradients (same microbatch)."""
@@ -191,7 +199,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     module, x, title, forwards = subject(args)
-    bench = Bench(module, x, args.first)
+    bench = Bench(module, x, args.first, args.device)
     for _ in range(3):
         bench.run(False)
         bench.run(True)
@@ -213,7 +221,8 @@ def main() -> None:
                 torch_error = str(exc).splitlines()[0]
     b, i, w = (statistics.median(v) for v in (b_times, i_times, w_times))
     iw = statistics.median([a + c for a, c in zip(i_times, w_times, strict=True)])
-    print(f"{title}, {args.threads} thread(s){', first stage' if args.first else ''}")
+    where = f"{args.threads} thread(s)" if args.device == "cpu" else args.device
+    print(f"{title}, {where}{', first stage' if args.first else ''}")
     print(f"B     {b * 1e3:8.3f} ms")
     print(f"I     {i * 1e3:8.3f} ms")
     print(f"W     {w * 1e3:8.3f} ms")
