@@ -195,6 +195,9 @@ class WeightGradPlan:
 
     gemms: list[DeferredGemm] = field(default_factory=list)
     full_in_input_pass: str | None = None  # why I already did all of it (then W has nothing to do)
+    # A stage whose inputs need no gradient: I has nothing to give anyone, so W runs the whole
+    # backward from these roots (one engine run) and I costs nothing where the schedule puts it.
+    whole: tuple[list[GradientEdge], list[torch.Tensor]] | None = None
 
     def nbytes(self) -> int:
         """Bytes W still needs (distinct storages of the kept operands)."""
@@ -434,6 +437,8 @@ def backward_input(
     root_edges, root_grads = _roots(edges, grads)
     if not root_edges:
         return [None] * len(inputs), WeightGradPlan()
+    if not inputs:
+        return [], WeightGradPlan(whole=(root_edges, root_grads))
     input_nodes = {torch.autograd.graph.get_gradient_edge(t).node for t in inputs}
     analysis = _analyse([e.node for e in root_edges], input_nodes)
     if names is not None:
@@ -474,7 +479,13 @@ def _keeper(gemm: DeferredGemm) -> Callable[[tuple[torch.Tensor | None, ...]], N
 
 
 def backward_weight(plan: WeightGradPlan) -> None:
-    """W: the deferred GEMMs, accumulated into ``.grad`` as autograd's AccumulateGrad would."""
+    """W: the deferred GEMMs, accumulated into ``.grad`` as autograd's AccumulateGrad would (or,
+    on a stage whose inputs need no gradient, its whole backward)."""
+    if plan.whole is not None:
+        edges, grads = plan.whole
+        plan.whole = None
+        _run_engine(edges, grads)
+        return
     touched: dict[int, torch.Tensor] = {}
     with torch.no_grad():
         for gemm in plan.gemms:

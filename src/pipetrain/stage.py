@@ -350,7 +350,7 @@ class PipelineStage:
         else:
             state.stream = current_stream(self.device)
             state.output_edges, state.outputs = [], []
-            if state.saved is not None:
+            if state.saved is not None and state.plan is not None and state.plan.whole is None:
                 state.saved.release_all()  # W holds what it reads itself; the graph is gone
         return result
 

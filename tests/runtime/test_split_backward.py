@@ -381,3 +381,38 @@ def test_dw_builder_runs_the_users_weight_step_at_w() -> None:
     stage.forward_one_chunk(1, (torch.randn(2, 4, requires_grad=True),))
     stage.backward_one_chunk(1, grad_outputs=[torch.ones(2, 4)], full=True)
     assert calls == ["built", "ran", "built", "ran"]
+
+
+def test_compiling_between_the_linears_keeps_their_gemms_for_w() -> None:
+    """The route the guide gives for compiled stages: compile what lies between the linear layers
+    (norms, activations); the Linear GEMMs stay eager and wait for W; gradients equal B's."""
+    torch.manual_seed(0)
+
+    class Mid(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(32)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return nn.functional.gelu(self.norm(x)) * 1.5
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 32), torch.compile(Mid(), backend="aot_eager"), nn.Linear(32, 16))
+
+    grads = {}
+    for how in ("B", "IW"):
+        module = build()
+        stage = PipelineStage(module, 1, 3, "cpu")
+        torch.manual_seed(1)
+        stage.forward_one_chunk(0, (torch.randn(4, 16, requires_grad=True),))
+        stage.backward_one_chunk(0, grad_outputs=[torch.ones(4, 16)], full=how == "B")
+        if how == "IW":
+            plan = stage._mbs[0].plan
+            assert plan is not None and {id(g.weight) for g in plan.gemms} == {
+                id(module[0].weight),
+                id(module[2].weight),
+            }
+            stage.backward_weight_one_chunk(0)
+        grads[how] = [p.grad for p in module.parameters()]
+    torch.testing.assert_close(grads["IW"], grads["B"])
