@@ -427,7 +427,13 @@ def main() -> int:
         # eager, checkpointed (pipetrain's route and torch's wrapper) and compiled.
         split = Path(__file__).with_name("split_backward.py")
         print("\nbenchmarks/split_backward.py --device cuda --blocks 4 --wide ((I + W) / B, W's share):")
-        for extra in (["--ac", "none"], ["--ac", "pipetrain"], ["--ac", "wrapper"], ["--compile"]):
+        for extra in (
+            ["--ac", "none"],
+            ["--ac", "pipetrain"],
+            ["--ac", "wrapper"],
+            ["--compile"],
+            ["--compile", "between"],
+        ):
             sys.stdout.flush()
             args = ["--device", "cuda", "--blocks", "4", "--wide", "--reps", "20", *extra]
             done = subprocess.run([sys.executable, str(split), *args], check=False, capture_output=True, text=True)

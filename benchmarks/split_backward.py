@@ -8,7 +8,7 @@ with W holding the weight GEMMs. Run:
 (``pipetrain``: pipetrain.recompute; ``wrapper``: torch's checkpoint_wrapper, as torchtitan's
 apply_ac makes it; ``sac``: the same with a selective policy saving matmuls; ``torch``: a plain
 ``torch.utils.checkpoint`` call in the block's forward); ``--compile`` compiles every block
-(aot_eager). Steps alternate between B and I+W so both see the same machine state; medians are
+(aot_eager), ``--compile between`` all of it but its Linear layers (pipetrain.compiled). Steps alternate between B and I+W so both see the same machine state; medians are
 reported, with W's share, the block forwards per microbatch and the largest gradient difference.
 """
 
@@ -62,7 +62,7 @@ class _TorchCheckpointed(torch.nn.Module):
         return out
 
 
-def wrap(block: torch.nn.Module, ac: str, compiled: bool) -> torch.nn.Module:
+def wrap(block: torch.nn.Module, ac: str, compiled: str | None) -> torch.nn.Module:
     """One block as the options ask: checkpointed one way or another, compiled or not."""
     from functools import partial
 
@@ -83,7 +83,11 @@ def wrap(block: torch.nn.Module, ac: str, compiled: bool) -> torch.nn.Module:
         block = checkpoint_wrapper(block, context_fn=partial(create_selective_checkpoint_contexts, save_matmuls))
     elif ac == "torch":
         block = _TorchCheckpointed(block)
-    if compiled:
+    if compiled == "between":
+        from pipetrain.compiled import compile_for_split
+
+        block = compile_for_split(block, backend="aot_eager")
+    elif compiled:
         block = torch.compile(block, backend="aot_eager")
     return block
 
@@ -100,7 +104,13 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--blocks", type=int, default=0, help="N blocks of the bpe preset instead of the MLP")
     parser.add_argument("--wide", action="store_true", help="blocks of d_model 256, 4 heads, 128 tokens")
     parser.add_argument("--ac", choices=["none", "pipetrain", "wrapper", "sac", "torch"], default="none")
-    parser.add_argument("--compile", action="store_true", help="torch.compile every block (aot_eager)")
+    parser.add_argument(
+        "--compile",
+        nargs="?",
+        const="whole",
+        choices=["whole", "between"],
+        help="torch.compile every block (aot_eager): whole, or between its Linear layers (pipetrain.compiled)",
+    )
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (timed with a synchronize around each)")
     return parser.parse_args()
 
@@ -117,7 +127,7 @@ def subject(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.Tensor, st
     module = torch.nn.Sequential(*[wrap(b, args.ac, args.compile) for b in blocks])
     shape = "d_model 256, 2 x 128 tokens" if args.wide else "bpe, d_model 224, 2 x 64 tokens"
     how = [f"checkpointed ({args.ac})"] if args.ac != "none" else []
-    how += ["compiled (aot_eager)"] if args.compile else []
+    how += [f"compiled ({args.compile}, aot_eager)"] if args.compile else []
     return module, x, f"{args.blocks} block(s) ({shape}) {', '.join(how) or 'eager'}", forwards
 
 

@@ -414,7 +414,8 @@ def _notice(label: str, analysis: _Analysis, names: Callable[[Sequence[torch.Ten
         warnings.warn(
             f"{label}: the weight gradients {what} are computed in I, not deferred to W ({kind}); "
             "the split backward gains nothing there. docs/stage-and-split-backward.md says which routes "
-            "defer them (pipetrain.recompute.checkpoint for activation checkpointing)",
+            "defer them (pipetrain.recompute.checkpoint for activation checkpointing, "
+            "pipetrain.compiled.compile_for_split for torch.compile)",
             stacklevel=4,
         )
 

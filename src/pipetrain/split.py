@@ -473,7 +473,7 @@ def split_by_names(
     any other module whose submodule paths are the names (``"layers.3"``). The stages must take
     every layer once, in order (for a plain module: each named submodule once). The stages whose
     index is in ``recompute`` (a plan's ``recompute``) recompute their activations in backward
-    (:func:`recompute`, with ``weight_grads``).
+    (:func:`recompute`; ``weight_grads`` is passed on and no longer changes anything).
     """
     wanted = [list(names) for names in stage_layers]
     if not wanted:

@@ -416,3 +416,28 @@ def test_compiling_between_the_linears_keeps_their_gemms_for_w() -> None:
             stage.backward_weight_one_chunk(0)
         grads[how] = [p.grad for p in module.parameters()]
     torch.testing.assert_close(grads["IW"], grads["B"])
+
+
+def test_compile_for_split_leaves_the_linears_to_w() -> None:
+    from pipetrain import PipelineError
+    from pipetrain.compiled import compile_for_split
+
+    torch.manual_seed(0)
+    base = Block()
+    compiled = compile_for_split(copy.deepcopy(base), backend="aot_eager")
+    assert {n for n, _ in compiled.named_parameters()} == {"_orig_mod." + n for n, _ in base.named_parameters()}
+    stage = PipelineStage(compiled, 1, 3, "cpu")
+    x, g = torch.randn(2, 5, 16, requires_grad=True), torch.randn(2, 5, 16)
+    stage.forward_one_chunk(0, (x,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to say: every weight GEMM waits for W
+        (gx,) = stage.backward_one_chunk(0, grad_outputs=[g], full=False)
+    plan = stage._mbs[0].plan
+    assert plan is not None and len(plan.gemms) == 4  # qkv, proj, up, down
+    stage.backward_weight_one_chunk(0)
+    x2 = x.detach().requires_grad_()
+    base(x2).backward(g)
+    torch.testing.assert_close([p.grad for p in compiled.parameters()], [p.grad for p in base.parameters()])
+    torch.testing.assert_close(gx, x2.grad)
+    with pytest.raises(PipelineError, match="fullgraph=True cannot hold"):
+        compile_for_split(Block(), fullgraph=True)
