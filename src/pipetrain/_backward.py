@@ -303,7 +303,13 @@ def _analyse(roots: Sequence[Node], input_nodes: set[Node]) -> _Analysis:
         kind = _OPAQUE.get(name)
         if kind is not None:
             found = opaque.setdefault(kind, [])
-            found.extend(c.variable for c, _ in node.next_functions if c is not None and _is_leaf_node(c))  # type: ignore[attr-defined]
+            # (matrices only: a norm's or a bias's gradient is I's anyway)
+            leaves_here = [c for c, _ in node.next_functions if c is not None and _is_leaf_node(c)]
+            found.extend(
+                c.variable  # type: ignore[attr-defined]  # AccumulateGrad nodes have .variable
+                for c in leaves_here
+                if c not in input_nodes and c.variable.dim() >= 2  # type: ignore[attr-defined]
+            )
             continue
         slots = _GEMM_SLOTS.get(name)
         if slots is None:
