@@ -319,7 +319,7 @@ def _recompute_case(rank: int, world: int) -> list[tuple[str, int, float, float,
 def test_recomputed_stages_hold_what_the_promise_says_split_or_not() -> None:
     results = run_ranks(_recompute_case, 2, timeout=300)
     for rank, cases in enumerate(results):
-        for name, measured, promised, without, message in cases:
+        for name, measured, promised, _without, message in cases:
             assert measured <= promised + 2 * message, (name, rank, measured, promised)
         one_f_one_b = dict((c[0], c) for c in cases)["1F1B"]
         if rank == 0:  # the first rank holds 2 microbatches in flight: recompute must show (the last
