@@ -156,11 +156,12 @@ def _peekable_types() -> tuple[type, ...]:
 
 @dataclass
 class DeferredGemm:
-    """One weight-gradient GEMM that I skipped: ``weight.grad += op(left @ right)``.
+    """One weight-gradient GEMM that I skipped.
 
-    ``left``/``right`` are filled by I's pre-hook: the weight's gradient is ``g^T a`` (weight as the
-    right operand) or ``g b^T`` (left operand), transposed when the weight reached the GEMM through
-    a transpose, scaled by ``alpha`` (addmm), cast and reshaped to the weight.
+    I's pre-hook fills ``g`` (the GEMM's output gradient) and ``a`` (its other operand, read from
+    the node's saved tensors); W adds to ``weight.grad`` the weight's gradient: ``a^T g`` (weight as
+    the right operand) or ``g a^T`` (left), transposed when the weight reached the GEMM through a
+    transpose, scaled by ``alpha`` (addmm), cast and reshaped to the weight.
     """
 
     node: Node | None
