@@ -13,8 +13,6 @@ costs: docs/stage-and-split-backward.md.
 
 from __future__ import annotations
 
-import functools
-import itertools
 import threading
 import warnings
 import weakref
@@ -23,8 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.autograd.graph import GradientEdge, Node
+from torch.autograd.graph import GradientEdge
 
+from pipetrain._gemm_analysis import Analysis, DeferredGemm, analyse
 from pipetrain.errors import PipelineError
 
 __all__ = [
@@ -35,6 +34,9 @@ __all__ = [
     "backward_input",
     "backward_weight",
     "peeking",
+    "stage_backward",
+    "stage_backward_input",
+    "stage_backward_weight",
 ]
 
 _tls = threading.local()
@@ -120,76 +122,6 @@ class SavedTensors:
         return {h.tensor.untyped_storage().data_ptr() for h in self.holders if h.tensor is not None}
 
 
-# ------------------------------------------------------------------------------ the GEMMs
-# Per autograd node type: (slot in next_functions, saved attribute of the *other* operand,
-# whether the slot is the left operand) for each operand that may be a weight.
-_GEMM_SLOTS: dict[str, tuple[tuple[int, str, bool], ...]] = {
-    "MmBackward0": ((0, "_saved_mat2", True), (1, "_saved_self", False)),
-    "AddmmBackward0": ((1, "_saved_mat2", True), (2, "_saved_mat1", False)),
-    "BmmBackward0": ((0, "_saved_mat2", True), (1, "_saved_self", False)),
-}
-_TRANSPOSES = frozenset({"TBackward0", "TransposeBackward0", "PermuteBackward0"})
-_CASTS = frozenset({"ToCopyBackward0"})
-_VIEWS = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "AliasBackward0"})
-# Opaque nodes that compute weight gradients themselves, all of them in I (named in the notice).
-_OPAQUE = {"CompiledFunctionBackward": "torch.compile'd region"}
-# Reentrant checkpointing refuses an engine run limited to some inputs: then I is the full backward.
-_REENTRANT = "CheckpointFunctionBackward"
-
-_ACCUMULATE_GRAD: type | None = getattr(getattr(torch._C, "_functions", None), "AccumulateGrad", None)
-
-
-def _is_leaf_node(node: Node) -> bool:
-    """A weight (or other leaf) gradient sink: autograd's AccumulateGrad node."""
-    if _ACCUMULATE_GRAD is not None:
-        return isinstance(node, _ACCUMULATE_GRAD)
-    return hasattr(node, "variable")  # pragma: no cover - torch without the class exported
-
-
-@functools.cache
-def _peekable_types() -> tuple[type, ...]:
-    """Packed forms of a saved tensor that can be read twice: no hook, ours, pipetrain.recompute's."""
-    from pipetrain.recompute import _Slot
-
-    return (torch.Tensor, _Holder, _Slot)
-
-
-@dataclass
-class DeferredGemm:
-    """One weight-gradient GEMM that I skipped.
-
-    I's pre-hook fills ``g`` (the GEMM's output gradient) and ``a`` (its other operand, read from
-    the node's saved tensors); W adds to ``weight.grad`` the weight's gradient: ``a^T g`` (weight as
-    the right operand) or ``g a^T`` (left), transposed when the weight reached the GEMM through a
-    transpose, scaled by ``alpha`` (addmm), cast and reshaped to the weight.
-    """
-
-    node: Node | None
-    other: str  # saved attribute of the activation operand
-    weight_is_left: bool
-    transposed: bool
-    batched: bool
-    weight: torch.Tensor
-    alpha: float = 1.0
-    g: torch.Tensor | None = None
-    a: torch.Tensor | None = None
-
-    def nbytes(self) -> int:
-        return sum(t.untyped_storage().nbytes() for t in (self.g, self.a) if t is not None)
-
-    def operands(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, y) with the weight's gradient (in the weight's own orientation) = x @ y."""
-        g, a = self.g, self.a
-        assert g is not None and a is not None
-
-        def t(z: torch.Tensor) -> torch.Tensor:
-            return z.transpose(-1, -2)
-
-        if self.weight_is_left:  # dW = g @ b^T, or (dW)^T = b @ g^T
-            return (a, t(g)) if self.transposed else (g, t(a))
-        return (t(g), a) if self.transposed else (t(a), g)  # dW = a^T g, or (dW)^T = g^T a
-
-
 @dataclass
 class WeightGradPlan:
     """What I keeps for W: the skipped GEMMs, with their operands."""
@@ -208,159 +140,6 @@ class WeightGradPlan:
                 if t is not None:
                     seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return sum(seen.values())
-
-
-@dataclass
-class _Analysis:
-    gemms: list[DeferredGemm]
-    eager_leaves: list[torch.Tensor]  # parameters (and other leaves) whose gradient I computes
-    opaque: dict[str, list[torch.Tensor]]  # what kind of opaque node -> weights it computes in I
-    unpeekable: list[torch.Tensor]  # GEMM weights whose saved operand another hook owns
-    reentrant: bool = False  # a reentrant checkpoint region: I must be the full backward
-
-
-def _chain(start: Node | None, batched: bool) -> tuple[list[Node], Node, bool, bool] | None:
-    """From a GEMM operand to its parameter: (nodes on the way, the AccumulateGrad node,
-    transposed?, cast?) when the way is transposes, casts and (untransposed) views only."""
-    nodes: list[Node] = []
-    transposed = cast = viewed = False
-    node = start
-    while node is not None and not _is_leaf_node(node):
-        name = type(node).__name__
-        if name in _TRANSPOSES:
-            if viewed or not _is_last_two_swap(node, name, batched):
-                return None
-            transposed = not transposed
-        elif name in _CASTS:
-            cast = True
-        elif name in _VIEWS:
-            if transposed:
-                return None
-            viewed = True
-        else:
-            return None
-        nodes.append(node)
-        nexts = node.next_functions
-        if len(nexts) != 1:
-            return None
-        node = nexts[0][0]
-    if node is None or (viewed and transposed):
-        return None
-    return nodes, node, transposed, cast
-
-
-def _is_last_two_swap(node: Node, name: str, batched: bool) -> bool:
-    ndim = 3 if batched else 2
-    if name == "TBackward0":
-        return not batched
-    if name == "TransposeBackward0":
-        dims = {int(getattr(node, "_saved_dim0")) % ndim, int(getattr(node, "_saved_dim1")) % ndim}  # noqa: B009
-        return dims == {ndim - 2, ndim - 1}
-    perm = tuple(int(d) % ndim for d in getattr(node, "_saved_dims"))  # noqa: B009
-    return perm == ((1, 0) if not batched else (0, 2, 1))
-
-
-def _walk(roots: Sequence[Node]) -> tuple[list[Node], dict[Node, int]]:
-    """Every node reachable from ``roots`` once, and how many edges enter each."""
-    order: list[Node] = []
-    in_count: dict[Node, int] = {}
-    stack = list(roots)
-    for r in roots:
-        in_count[r] = in_count.get(r, 0)
-    seen: set[Node] = set()
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        order.append(node)
-        for child, _ in node.next_functions:
-            if child is not None:
-                in_count[child] = in_count.get(child, 0) + 1
-                if child not in seen:
-                    stack.append(child)
-    return order, in_count
-
-
-def _has_tensor_hooks(t: torch.Tensor) -> bool:
-    return bool(getattr(t, "_backward_hooks", None))
-
-
-def _analyse(roots: Sequence[Node], input_nodes: set[Node]) -> _Analysis:
-    order, in_count = _walk(roots)
-    peekable = _peekable_types()
-    candidates: list[tuple[DeferredGemm, list[Node], Node]] = []
-    unpeekable: list[torch.Tensor] = []
-    opaque: dict[str, list[torch.Tensor]] = {}
-    leaves: list[Node] = []
-    for node in order:
-        name = type(node).__name__
-        if _is_leaf_node(node):
-            if node not in input_nodes:
-                leaves.append(node)
-            continue
-        if name == _REENTRANT:
-            return _Analysis([], [], {}, [], reentrant=True)
-        kind = _OPAQUE.get(name)
-        if kind is not None:
-            found = opaque.setdefault(kind, [])
-            # (matrices only: a norm's or a bias's gradient is I's anyway)
-            leaves_here = [c for c, _ in node.next_functions if c is not None and _is_leaf_node(c)]
-            found.extend(
-                c.variable  # type: ignore[attr-defined]  # AccumulateGrad nodes have .variable
-                for c in leaves_here
-                if c not in input_nodes and c.variable.dim() >= 2  # type: ignore[attr-defined]
-            )
-            continue
-        slots = _GEMM_SLOTS.get(name)
-        if slots is None:
-            continue
-        nexts = node.next_functions
-        for slot, other, left in slots:
-            found_chain = _chain(nexts[slot][0], name == "BmmBackward0")
-            if found_chain is None:
-                continue
-            chain, acc, transposed, _cast = found_chain
-            weight: torch.Tensor = acc.variable  # type: ignore[attr-defined]  # AccumulateGrad nodes have .variable
-            if acc in input_nodes or _has_tensor_hooks(weight) or weight.is_sparse:
-                continue
-            if not isinstance(getattr(node, "_raw_saved" + other[len("_saved") :]).data, peekable):
-                unpeekable.append(weight)
-                continue
-            alpha = float(getattr(node, "_saved_alpha", 1.0))
-            gemm = DeferredGemm(node, other, left, transposed, name == "BmmBackward0", weight, alpha)
-            candidates.append((gemm, chain, acc))
-    gemms = _consistent(candidates, in_count)
-    deferred = {id(g.weight) for g in gemms}
-    eager = [leaf.variable for leaf in leaves if id(leaf.variable) not in deferred]  # type: ignore[attr-defined]
-    return _Analysis(gemms, eager, opaque, unpeekable)
-
-
-def _consistent(
-    candidates: list[tuple[DeferredGemm, list[Node], Node]], in_count: dict[Node, int]
-) -> list[DeferredGemm]:
-    """Keep the GEMMs whose weight gets its gradient through deferred GEMMs only.
-
-    A weight also used otherwise (a tied embedding and head on one stage, a norm reusing a
-    matrix) is computed in I by autograd, all its uses together; so is every GEMM on it.
-    """
-    alive = list(candidates)
-    while True:
-        # Edges into a node from deferred parents: the GEMM slot edges, plus chain-internal edges
-        # (counted once per distinct parent node, since a shared cast has one edge onward).
-        incoming: dict[Node, int] = {}
-        parents: set[Node] = set()
-        for _gemm, chain, acc in alive:
-            path = (*chain, acc)
-            incoming[path[0]] = incoming.get(path[0], 0) + 1
-            for parent, child in itertools.pairwise(path):
-                if parent not in parents:
-                    parents.add(parent)
-                    incoming[child] = incoming.get(child, 0) + 1
-        bad = {node for node, n in incoming.items() if n != in_count.get(node, 0)}
-        if not bad:
-            return [gemm for gemm, _, _ in alive]
-        alive = [(g, c, a) for g, c, a in alive if a not in bad and not any(n in bad for n in c)]
 
 
 def _run_engine(
@@ -406,7 +185,7 @@ def backward_full(
     return _into_inputs(run, inputs)
 
 
-def _notice(label: str, analysis: _Analysis, names: Callable[[Sequence[torch.Tensor]], str], noticed: set[str]) -> None:
+def _notice(label: str, analysis: Analysis, names: Callable[[Sequence[torch.Tensor]], str], noticed: set[str]) -> None:
     """Say once per cause (``noticed`` holds those said) that some weight gradients cannot wait for W."""
     causes = [(kind, f"of {names(ws)}") for kind, ws in analysis.opaque.items() if ws]
     if analysis.unpeekable:
@@ -448,7 +227,7 @@ def backward_input(
     if not inputs:
         return [], WeightGradPlan(whole=(root_edges, root_grads))
     input_nodes = {torch.autograd.graph.get_gradient_edge(t).node for t in inputs}
-    analysis = _analyse([e.node for e in root_edges], input_nodes)
+    analysis = analyse([e.node for e in root_edges], input_nodes)
     if names is not None:
         _notice(label, analysis, names, noticed if noticed is not None else set())
     if analysis.reentrant:
@@ -523,3 +302,107 @@ def backward_weight(plan: WeightGradPlan) -> None:
         if hooks:
             for hook in list(hooks.values()):
                 hook(w)
+
+
+# ------------------------------------------------------------------ torch's functions of this module
+def _pairs(outputs: Any, grads: Any) -> tuple[list[GradientEdge], list[torch.Tensor]]:
+    """Each output tensor that requires grad with its gradient (ones for a loss), as torch pairs them."""
+    import torch.utils._pytree as pytree
+
+    flat_out = pytree.tree_leaves(outputs)
+    flat_grads = [None] * len(flat_out) if grads is None else pytree.tree_leaves(grads)
+    if grads is not None and len(flat_grads) != len(flat_out):
+        flat_grads = list(grads) if isinstance(grads, (list, tuple)) else [grads]
+    edges, given = [], []
+    for out, grad in zip(flat_out, flat_grads, strict=False):
+        if isinstance(out, torch.Tensor) and (out.requires_grad or out.grad_fn is not None):
+            if grads is None:
+                grad = torch.ones_like(out)
+            if grad is not None:
+                edges.append(torch.autograd.graph.get_gradient_edge(out))
+                given.append(grad)
+    return edges, given
+
+
+def _failed(what: str, outputs: Any, grads: Any, inputs: Any, exc: Exception) -> RuntimeError:
+    def shapes(x: Any) -> str:
+        import torch.utils._pytree as pytree
+
+        return str([tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in pytree.tree_leaves(x)])
+
+    return RuntimeError(
+        f"Failed to run {what}: stage outputs {shapes(outputs)}, output gradients {shapes(grads)}, "
+        f"inputs {shapes(inputs)}: {exc}"
+    )
+
+
+def stage_backward(
+    stage_output: Any, output_grads: Any, input_values: Any, outputs_with_grads_idxs: list[int] | None = None
+) -> tuple[torch.Tensor | None, ...]:
+    """torch's: the whole backward (parameters accumulate), the gradients of ``input_values``
+    returned (their ``.grad`` set back to None). ``outputs_with_grads_idxs`` is unused, as in torch."""
+    del outputs_with_grads_idxs
+    tensors = [v for v in input_values if isinstance(v, torch.Tensor) and v.requires_grad]
+    try:
+        edges, grads = _pairs(stage_output, output_grads)
+        before = {id(t): t.grad for t in tensors}
+        got = dict(zip((id(t) for t in tensors), backward_full(edges, grads, tensors), strict=True))
+    except RuntimeError as exc:
+        raise _failed("stage backward", stage_output, output_grads, input_values, exc) from exc
+    result: list[torch.Tensor | None] = []
+    for v in input_values:
+        if not isinstance(v, torch.Tensor) or id(v) not in got:
+            result.append(v.grad if isinstance(v, torch.Tensor) else None)
+            continue
+        prev, new = before[id(v)], got[id(v)]
+        result.append(new if prev is None else prev if new is None else prev + new)
+        v.grad = None
+    return tuple(result)
+
+
+def stage_backward_input(
+    stage_outputs_or_loss: list[torch.Tensor],
+    output_grads: list[torch.Tensor] | None,
+    input_values: list[Any],
+    weights: Any,
+) -> tuple[tuple[torch.Tensor | None, ...], list[dict[str, Any]]]:
+    """torch's I: the inputs' gradients (also added into their ``.grad``) and the ``param_groups``
+    that :func:`stage_backward_weight` takes. Here the groups hold the deferred weight GEMMs (W
+    makes no engine call); ``weights`` is accepted as torch's and not needed."""
+    del weights
+    tensors = [v for v in input_values if isinstance(v, torch.Tensor) and v.requires_grad]
+    try:
+        edges, grads = _pairs(stage_outputs_or_loss, output_grads)
+        got, plan = backward_input(edges, grads, tensors)  # (no input needs grad: all waits for W)
+    except RuntimeError as exc:
+        raise _failed("stage backward input", stage_outputs_or_loss, output_grads, input_values, exc) from exc
+    by_id = dict(zip((id(t) for t in tensors), got, strict=True))
+    dinputs: list[torch.Tensor | None] = []
+    for v in input_values:
+        grad = by_id.get(id(v)) if isinstance(v, torch.Tensor) else None
+        if grad is not None:
+            v.grad = grad if v.grad is None else v.grad + grad
+        dinputs.append(grad)
+    for t in stage_outputs_or_loss:
+        if isinstance(t, torch.Tensor):
+            t.detach_()
+    return tuple(dinputs), [{"pipetrain_plan": plan}]
+
+
+def stage_backward_weight(
+    weights: Any, param_groups: list[dict[str, Any]], retain_graph: bool = False
+) -> tuple[torch.Tensor | None, ...]:
+    """torch's W: the weight gradients :func:`stage_backward_input` left, added into ``.grad``.
+    Returns each weight's ``.grad`` as it was before (torch's return value). ``retain_graph`` is
+    accepted: W here needs no graph."""
+    del retain_graph
+    before = tuple(w.grad for w in weights)
+    for group in param_groups:
+        plan = group.get("pipetrain_plan")
+        if not isinstance(plan, WeightGradPlan):
+            raise PipelineError(
+                "stage_backward_weight: these param_groups are not pipetrain's; give it what "
+                "pipetrain's stage_backward_input returned"
+            )
+        backward_weight(plan)
+    return before

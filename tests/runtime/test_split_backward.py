@@ -441,3 +441,37 @@ def test_compile_for_split_leaves_the_linears_to_w() -> None:
     torch.testing.assert_close(gx, x2.grad)
     with pytest.raises(PipelineError, match="fullgraph=True cannot hold"):
         compile_for_split(Block(), fullgraph=True)
+
+
+@pytest.mark.parametrize("first", [False, True])
+def test_torchs_stage_backward_functions_give_torchs_gradients(first: bool) -> None:
+    """pipetrain._backward.stage_backward / stage_backward_input / stage_backward_weight, called as
+    torch's tests and DualPipe-style code call torch's, leave the gradients torch's leave. With
+    inputs that need no gradient torch's pair leaves the weights without any (its stage calls
+    stage_backward for stage 0 instead): there pipetrain's pair is held to plain autograd."""
+    from torch.distributed.pipelining import _backward as theirs
+
+    from pipetrain import _backward as ours
+
+    got = {}
+    for name, impl in (("torch", theirs), ("pipetrain", ours)):
+        torch.manual_seed(0)
+        module = Block()
+        x = torch.randn(2, 5, 16, requires_grad=not first)
+        g = torch.randn(2, 5, 16)
+        out = module(x)
+        dinputs, groups = impl.stage_backward_input([out], [g], [x], module.parameters())
+        impl.stage_backward_weight(module.parameters(), groups)
+        split = ([None if p.grad is None else p.grad.clone() for p in module.parameters()], dinputs[0], x.grad)
+        for p in module.parameters():
+            p.grad = None
+        x2 = x.detach().requires_grad_(not first)
+        whole = impl.stage_backward(module(x2), g, [x2])
+        got[name] = (split, [p.grad for p in module.parameters()], whole[0], x2.grad)
+    if not first:
+        torch.testing.assert_close(got["pipetrain"], got["torch"])
+    else:  # torch's split leaves None; the whole backward agrees
+        (split, whole_grads, _, _) = got["pipetrain"]
+        torch.testing.assert_close(split[0], whole_grads)
+        torch.testing.assert_close(whole_grads, got["torch"][1])
+        assert any(grad is None for grad in got["torch"][0][0])
