@@ -475,3 +475,49 @@ def test_torchs_stage_backward_functions_give_torchs_gradients(first: bool) -> N
         torch.testing.assert_close(split[0], whole_grads)
         torch.testing.assert_close(whole_grads, got["torch"][1])
         assert any(grad is None for grad in got["torch"][0][0])
+
+
+def test_hugging_face_gradient_checkpointing_is_adopted() -> None:
+    """A Hugging Face Llama with gradient checkpointing on (use_reentrant=False, its default): the
+    stage moves its layers onto pipetrain.recompute.checkpoint; each layer's attention runs twice a
+    microbatch under I then W, and the gradients are B's and plain training's."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32,
+    )  # fmt: skip
+
+    class Logits(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.llama = transformers.LlamaForCausalLM(config)
+            self.llama.gradient_checkpointing_enable()
+            self.llama.train()
+
+        def forward(self, embeds: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = self.llama(inputs_embeds=embeds).logits
+            return out
+
+    torch.manual_seed(1)
+    embeds, g = torch.randn(2, 6, 32), torch.randn(2, 6, 64)
+    plain = Logits()
+    x = embeds.clone().requires_grad_()
+    plain(x).backward(g)
+    for how in ("B", "IW"):
+        module = Logits()
+        stage = PipelineStage(module, 1, 3, "cpu")
+        layers = module.llama.model.layers
+        assert all(layer._gradient_checkpointing_func.func is rc.checkpoint for layer in layers)
+        calls = [0]
+        layers[0].self_attn.register_forward_pre_hook(lambda *_, n=calls: n.__setitem__(0, n[0] + 1))
+        stage.forward_one_chunk(0, (embeds.clone().requires_grad_(),))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # every weight GEMM can wait for W: nothing to say
+            (gx,) = stage.backward_one_chunk(0, grad_outputs=[g], full=how == "B")
+        if how == "IW":
+            assert stage._mbs[0].plan is not None and len(stage._mbs[0].plan.gemms) >= 2 * 7
+            stage.backward_weight_one_chunk(0)
+        assert calls[0] == 2
+        torch.testing.assert_close(gx, x.grad)
+        torch.testing.assert_close([p.grad for p in module.parameters()], [p.grad for p in plain.parameters()])
