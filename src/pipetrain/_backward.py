@@ -291,7 +291,7 @@ def backward_weight(plan: WeightGradPlan) -> None:
                     part.mul_(gemm.alpha)
                 part = part.to(w.dtype).reshape(w.shape)
                 if grad is None:
-                    w.grad = part.contiguous() if not part.is_contiguous() else part
+                    w.grad = part.contiguous()
                 else:
                     grad.add_(part)
             gemm.g = gemm.a = None
@@ -310,9 +310,8 @@ def _pairs(outputs: Any, grads: Any) -> tuple[list[GradientEdge], list[torch.Ten
     import torch.utils._pytree as pytree
 
     flat_out = pytree.tree_leaves(outputs)
-    flat_grads = [None] * len(flat_out) if grads is None else pytree.tree_leaves(grads)
-    if grads is not None and len(flat_grads) != len(flat_out):
-        flat_grads = list(grads) if isinstance(grads, (list, tuple)) else [grads]
+    # (None is a leaf here: an output given no gradient keeps its place)
+    flat_grads = [None] * len(flat_out) if grads is None else pytree.tree_leaves(grads, is_leaf=lambda x: x is None)
     edges, given = [], []
     for out, grad in zip(flat_out, flat_grads, strict=False):
         if isinstance(out, torch.Tensor) and (out.requires_grad or out.grad_fn is not None):

@@ -72,9 +72,6 @@ class DeferredGemm:
     g: torch.Tensor | None = None
     a: torch.Tensor | None = None
 
-    def nbytes(self) -> int:
-        return sum(t.untyped_storage().nbytes() for t in (self.g, self.a) if t is not None)
-
     def operands(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, y) with the weight's gradient (in the weight's own orientation) = x @ y."""
         g, a = self.g, self.a
@@ -97,11 +94,12 @@ class Analysis:
     reentrant: bool = False  # a reentrant checkpoint region: I must be the full backward
 
 
-def _chain(start: Node | None, batched: bool) -> tuple[list[Node], Node, bool, bool] | None:
+def _chain(start: Node | None, batched: bool) -> tuple[list[Node], Node, bool] | None:
     """From a GEMM operand to its parameter: (nodes on the way, the AccumulateGrad node,
-    transposed?, cast?) when the way is transposes, casts and (untransposed) views only."""
+    transposed?) when the way is transposes, casts and (untransposed) views only. (W casts and
+    reshapes every product to its weight, so a cast or a view needs nothing noted.)"""
     nodes: list[Node] = []
-    transposed = cast = viewed = False
+    transposed = viewed = False
     node = start
     while node is not None and not _is_leaf_node(node):
         name = type(node).__name__
@@ -109,22 +107,20 @@ def _chain(start: Node | None, batched: bool) -> tuple[list[Node], Node, bool, b
             if viewed or not _is_last_two_swap(node, name, batched):
                 return None
             transposed = not transposed
-        elif name in _CASTS:
-            cast = True
         elif name in _VIEWS:
             if transposed:
                 return None
             viewed = True
-        else:
+        elif name not in _CASTS:
             return None
         nodes.append(node)
         nexts = node.next_functions
         if len(nexts) != 1:
             return None
         node = nexts[0][0]
-    if node is None or (viewed and transposed):
+    if node is None:
         return None
-    return nodes, node, transposed, cast
+    return nodes, node, transposed
 
 
 def _is_last_two_swap(node: Node, name: str, batched: bool) -> bool:
@@ -198,7 +194,7 @@ def analyse(roots: Sequence[Node], input_nodes: set[Node]) -> Analysis:
             found_chain = _chain(nexts[slot][0], name == "BmmBackward0")
             if found_chain is None:
                 continue
-            chain, acc, transposed, _cast = found_chain
+            chain, acc, transposed = found_chain
             weight: torch.Tensor = acc.variable  # type: ignore[attr-defined]  # AccumulateGrad nodes have .variable
             if acc in input_nodes or _has_tensor_hooks(weight) or weight.is_sparse:
                 continue

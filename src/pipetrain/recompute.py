@@ -264,8 +264,8 @@ def checkpoint(
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
     name = f"checkpointed {getattr(function, '__qualname__', type(function).__name__)}"
-    params = [p for p in function.parameters()][:1] if isinstance(function, nn.Module) else []
-    return _run_region(name, function, args, kwargs, params, context_fn)
+    first = next(function.parameters(), None) if isinstance(function, nn.Module) else None
+    return _run_region(name, function, args, kwargs, [] if first is None else [first], context_fn)
 
 
 def adopt_checkpointing(module: nn.Module) -> int:

@@ -246,6 +246,21 @@ def _worker(rank: int, world: int, schedules: list[str]) -> dict[str, Any]:
     return report
 
 
+def _whole_batch_step(
+    schedule: Any, first: bool, last: bool, batch: Any, gvt: torch.Tensor, losses: list[torch.Tensor]
+) -> None:
+    """The whole-batch step torch 2.13 takes (microbatches of one length), as torchtitan calls it."""
+    tokens, positions, labels = batch
+    schedule.step(
+        *((torch.cat(tokens),) if first else ()),
+        target=torch.cat(labels) if last else None,
+        losses=losses if last else None,
+        loss_kwargs={"global_valid_tokens": gvt},
+        positions=torch.cat(positions),
+        return_outputs=False,
+    )
+
+
 def _against_torch(rank: int, world: int, schedules: list[str], config: Any, loss_fn: Any, parallel_dims: Any) -> Any:
     """torch's own runtime under torchtitan's unchanged imports: the whole-batch step torch 2.13
     takes (microbatches of one length), against pipetrain's pre-split step on the same data."""
@@ -273,15 +288,7 @@ def _against_torch(rank: int, world: int, schedules: list[str], config: Any, los
                     return_outputs=False,
                 )
             else:
-                whole = (torch.cat(tokens),) if first else ()
-                schedule.step(
-                    *whole,
-                    target=torch.cat(labels) if last else None,
-                    losses=losses if last else None,
-                    loss_kwargs={"global_valid_tokens": gvt},
-                    positions=torch.cat(positions),
-                    return_outputs=False,
-                )
+                _whole_batch_step(schedule, first, last, (tokens, positions, labels), gvt, losses)
             for bound, value in original.items():
                 setattr(titan_pp, bound, value)
             grads.append(_grads(parts))
@@ -352,15 +359,7 @@ def _ac_worker(rank: int, world: int) -> dict[str, Any]:
                 blocks = [m for w in wrappers for m in w.children()]
                 for block in blocks:
                     block.register_forward_pre_hook(lambda *_, n=forwards: n.__setitem__(0, n[0] + 1))
-                losses: list[torch.Tensor] = []
-                schedule.step(
-                    *((torch.cat(tokens),) if first else ()),
-                    target=torch.cat(labels) if last else None,
-                    losses=losses if last else None,
-                    loss_kwargs={"global_valid_tokens": gvt},
-                    positions=torch.cat(positions),
-                    return_outputs=False,
-                )
+                _whole_batch_step(schedule, first, last, (tokens, positions, labels), gvt, [])
             finally:
                 for bound, value in original.items():
                     setattr(titan_pp, bound, value)
