@@ -131,6 +131,8 @@ class WeightGradPlan:
     # A stage whose inputs need no gradient: I has nothing to give anyone, so W runs the whole
     # backward from these roots (one engine run) and I costs nothing where the schedule puts it.
     whole: tuple[list[GradientEdge], list[torch.Tensor]] | None = None
+    # torch's dw_builder: I ran autograd's whole backward and W calls the user's runner.
+    runner: Callable[[], None] | None = None
 
     def nbytes(self) -> int:
         """Bytes W still needs (distinct storages of the kept operands)."""
@@ -267,7 +269,11 @@ def _keeper(gemm: DeferredGemm) -> Callable[[tuple[torch.Tensor | None, ...]], N
 
 def backward_weight(plan: WeightGradPlan) -> None:
     """W: the deferred GEMMs, accumulated into ``.grad`` as autograd's AccumulateGrad would (or,
-    on a stage whose inputs need no gradient, its whole backward)."""
+    on a stage whose inputs need no gradient, its whole backward; or dw_builder's runner)."""
+    if plan.runner is not None:
+        runner, plan.runner = plan.runner, None
+        runner()
+        return
     if plan.whole is not None:
         edges, grads = plan.whole
         plan.whole = None

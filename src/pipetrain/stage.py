@@ -52,7 +52,6 @@ class _Microbatch:
     out_needs_grad: list[bool] = field(default_factory=list)  # per output tensor leaf
     saved: SavedTensors | None = None
     plan: WeightGradPlan | None = None  # set by I, consumed by W
-    dw_runner: Callable[[], None] | None = None  # dw_builder's runner, built at I, called by W
     stream: Any = None  # the stream I ran on (a device with streams): W runs there too
     # First stage only: the caller's tensors behind ``inputs`` (a microbatch's view of a batch
     # that requires grad, or a leaf such as a learnable scale), which get the input gradients.
@@ -325,8 +324,7 @@ class PipelineStage:
                 if full:
                     self.dw_builder()()
                 else:
-                    state.plan = WeightGradPlan(full_in_input_pass="dw_builder")
-                    state.dw_runner = self.dw_builder()
+                    state.plan = WeightGradPlan(runner=self.dw_builder())
             elif full:
                 result = backward_full(edges, grads, state.inputs)
             elif not self.split_backward:
@@ -356,10 +354,11 @@ class PipelineStage:
 
     def _module_names(self, weights: Sequence[torch.Tensor]) -> str:
         """The modules (by their names in this stage) that own ``weights``, for messages."""
-        order = {id(p): k for k, p in enumerate(self.submodule.parameters())}
-        owner = {id(p): name.rpartition(".")[0] or name for name, p in self.submodule.named_parameters()}
-        ranked = sorted(weights, key=lambda w: order.get(id(w), len(order)))
-        found = list(dict.fromkeys(owner.get(id(w), f"a {tuple(w.shape)} tensor") for w in ranked))
+        owner = {
+            id(p): (k, name.rpartition(".")[0] or name) for k, (name, p) in enumerate(self.submodule.named_parameters())
+        }
+        ranked = sorted(weights, key=lambda w: owner.get(id(w), (len(owner), ""))[0])
+        found = list(dict.fromkeys(owner[id(w)][1] if id(w) in owner else f"a {tuple(w.shape)} tensor" for w in ranked))
         more = f" and {len(found) - 4} more" if len(found) > 4 else ""
         return ", ".join(found[:4]) + more
 
@@ -372,11 +371,7 @@ class PipelineStage:
             )
         try:
             with on_stream(state.stream, self.device):
-                if state.dw_runner is not None:
-                    runner, state.dw_runner = state.dw_runner, None
-                    runner()
-                else:
-                    backward_weight(state.plan)
+                backward_weight(state.plan)
         except RuntimeError as exc:
             raise PipelineError(f"{self._where(mb, 'W')}: backward failed: {exc}") from exc
         self._drop(mb)
