@@ -244,3 +244,29 @@ def test_windows_solve_a_small_problem_whole_and_stop_when_it_is_proven() -> Non
     assert makespan == pytest.approx(solved.makespan)
     assert time.perf_counter() - started < 20.0
     assert problem.complete(orders) and problem.fits(orders)
+
+
+@pytest.mark.parametrize(("v", "place"), [(1, "loop"), (2, "loop"), (2, "v")])
+@pytest.mark.parametrize("ratio", [0.5, 2.0])
+def test_the_search_counts_memory_as_simulate_does_where_order_alone_sets_it(v: int, place: str, ratio: float) -> None:
+    """Without message buffers (the part that depends on timing) the search's memory is simulate's,
+    rank by rank: activations, what W reads from I's end, static bytes and the largest transient;
+    and list scheduling keeps every rank within the limit."""
+    n = 3 * v
+    costs = Costs(
+        f=1, i=1, w=1, comm=0.2, activation_bytes=[100.0 * (s + 1) for s in range(n)],
+        weight_grad_bytes=[100.0 * (s + 1) * ratio for s in range(n)], static_bytes=[10.0 * s for s in range(n)],
+        transient_bytes=[30.0 if s % 2 else 5.0 for s in range(n)],
+    )  # fmt: skip
+    free = layout_problem(3, 6, costs, None, v, place, True)
+    # Down to one microbatch's most on every rank at once (what list scheduling reserves).
+    least = max(free.base[r] + sum(free.hold[s] for s in free.stages_of(r)) for r in range(3))
+    for limit in (None, least, 1.5 * least):
+        problem = layout_problem(3, 6, costs, limit, v, place, True)
+        for policy in (Policy(), Policy(split=False), Policy(forward_first=True, eager_w=True)):
+            orders = list_schedule(problem, policy, random.Random(0))
+            assert orders is not None and problem.fits(orders)
+            peaks = simulate(problem.to_schedule(orders), costs).peak_memory_bytes
+            assert peaks is not None
+            assert [problem.peak(o, r) for r, o in enumerate(orders)] == pytest.approx([peaks[r] for r in range(3)])
+            assert limit is None or max(peaks.values()) <= limit + 1e-9

@@ -202,3 +202,69 @@ def test_one_meaning_of_costs_simulate_reproduces_the_plan(form: str, capsys: py
                      "--time-limit", "0.5"]) == 0  # fmt: skip
         chosen = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("->")).split()
         assert float(chosen[2]) == pytest.approx(sim.makespan, rel=0.02)  # searches differ by seed/time only
+
+
+# Issue 37: a stage of 4 x (Linear(64, 64), Tanh) on microbatches of 256 rows: what W reads
+# (weight_grad_bytes) outweighs what F keeps (activation_bytes); 64 x 256 fp32 outputs; its
+# parameters, their gradients and two optimizer states.
+_STAGE_BYTES = {
+    "activation_bytes": 270e3,
+    "weight_grad_bytes": 470e3,
+    "message_bytes": 65536.0,
+    "static_bytes": 4 * (64 * 64 + 64) * 4 * 4,
+}
+
+
+def _least(p: int, m: int, costs: Costs, v: int) -> float:
+    """The least memory auto_schedule names when nothing fits."""
+    with pytest.raises(ScheduleError, match=r"no schedule fits memory_limit=1: one microbatch alone needs") as info:
+        auto_schedule(p, m, costs, memory_limit=1.0, stages_per_rank=v, time_limit=0.3)
+    return float(str(info.value).split("needs ")[1].split()[0])
+
+
+def test_issue_37_weight_grad_bytes_count_against_the_limit() -> None:
+    """The issue's case returned "Auto" at 2.09 / 2.47 MB per rank for a limit of 1.42 MB: the
+    search held an activation's bytes from F to W, not what W reads from I on (nor static bytes)."""
+    costs = Costs(f=1, i=1, w=1, comm=0.05, **_STAGE_BYTES)
+    limit = 1.42e6
+    best = auto_schedule(2, 8, costs, memory_limit=limit, stages_per_rank=2, time_limit=1.0)
+    peaks = simulate(best, costs).peak_memory_bytes
+    assert peaks is not None and max(peaks.values()) <= limit
+    plan = plan_schedule(2, 8, costs, limit, stages_per_rank=2, time_limit=1.0)
+    sim = simulate(plan.schedule, costs)
+    assert sim.peak_memory_bytes is not None
+    assert plan.memory == pytest.approx(max(sim.peak_memory_bytes.values())) and plan.memory <= limit
+    assert plan.makespan == pytest.approx(sim.makespan)
+
+
+def test_nothing_fits_names_the_least_memory_that_does() -> None:
+    """Below every layout's minimum the error names the least memory: at that limit a schedule is
+    found within it, a little below it nothing is (what W reads outweighs the activation)."""
+    costs = Costs(f=1, i=1, w=1, comm=0.05, **_STAGE_BYTES)
+    least = _least(2, 8, costs, 2)
+    # At least both stages' activations, static bytes and the input one of them received.
+    assert least >= 2 * (270e3 + _STAGE_BYTES["static_bytes"]) + 65536
+    best = auto_schedule(2, 8, costs, memory_limit=least, stages_per_rank=2, time_limit=0.3)
+    peaks = simulate(best, costs).peak_memory_bytes
+    assert peaks is not None and max(peaks.values()) <= least
+    with pytest.raises(ScheduleError, match=f"needs {least:.12g} on some rank"):
+        auto_schedule(2, 8, costs, memory_limit=least * 0.999, stages_per_rank=2, time_limit=0.3)
+
+
+@pytest.mark.parametrize(("p", "m", "v"), [(2, 4, 1), (2, 8, 2), (3, 6, 2), (4, 8, 1), (4, 4, 2)])
+def test_the_schedule_returned_fits_its_limit_on_every_rank(p: int, m: int, v: int) -> None:
+    """Over ratios of weight-gradient to activation bytes (above 1 too), with and without message
+    buffers and a transient, and limits from the least that fits to generous, simulate puts every
+    rank of what auto_schedule returns within the limit."""
+    for ratio, extra in ((0.6, {"message_bytes": 250.0}), (1.75, {"message_bytes": 250.0}), (3.0, {})):
+        costs = Costs(
+            f=1, i=1, w=1, comm=0.1, activation_bytes=1000.0, weight_grad_bytes=1000.0 * ratio,
+            static_bytes=300.0, transient_bytes=150.0 if not extra else None, **extra,
+        )  # fmt: skip
+        least = _least(p, m, costs, v)
+        for factor in (1.0, 1.3, 2.0, 4.0):
+            limit = least * factor
+            best = auto_schedule(p, m, costs, memory_limit=limit, stages_per_rank=v, time_limit=0.2)
+            peaks = simulate(best, costs).peak_memory_bytes
+            assert peaks is not None and len(peaks) == p
+            assert all(peak <= limit + 1e-6 for peak in peaks.values()), (ratio, factor, best.name, peaks, limit)

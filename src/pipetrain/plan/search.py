@@ -15,10 +15,19 @@ stage takes 1/v of it (and holds 1/v of the activation bytes), which is how layo
 different stage counts compete on one model (the command line's ``--costs`` means this).
 Per-stage cost *sequences* are measurements of an already cut model: they fix the number of
 stages (``len(f)`` must be a multiple of ``num_ranks``). Either way ``simulate(best, costs)``
-reproduces the planner's makespan and memory. ``memory_limit`` is in bytes when
-``costs.activation_bytes`` is given, else in units of one microbatch's activations of a stage
-(plain ``Costs(...)``) or of a rank's whole share (``per_rank`` or sequences; 1F1B's rank 0 holds
-``num_ranks`` of them).
+reproduces the planner's makespan and memory. ``memory_limit`` is in bytes when any byte cost
+(``activation_bytes``, ``weight_grad_bytes``, ...) is given, as ``simulate`` counts them, else in
+units of one microbatch's activations of a stage (plain ``Costs(...)``) or of a rank's whole share
+(``per_rank`` or sequences; 1F1B's rank 0 holds ``num_ranks`` of them).
+
+Memory: the construction counts what the order alone sets exactly as ``simulate`` does (an
+activation, what W reads from I's end, a received input, static bytes, the largest transient:
+:mod:`pipetrain.plan.autoplan.layout`), and message buffers in flight by what simulating the
+microbatches one at a time adds. Every schedule returned is simulated, with the caller's costs:
+one that ``simulate`` puts over the limit on any rank is never returned (the layout is searched
+again with less room on that rank while time is left). The least memory named when nothing fits
+is what the microbatches need run one at a time (every order holds one microbatch's activations
+when its last forward starts); with that limit a schedule is returned.
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ import numbers
 import random
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from pipetrain.plan.autoplan import (
@@ -41,10 +50,10 @@ from pipetrain.plan.autoplan import (
     uses_windows,
     windows_fit,
 )
+from pipetrain.plan.autoplan.layout import layout_problem, one_at_a_time, raised
 from pipetrain.plan.costs import Costs
 from pipetrain.plan.errors import ScheduleError
 from pipetrain.plan.generators import build_schedule, family, schedule_names
-from pipetrain.plan.generators._common import v_placement
 from pipetrain.plan.schedule import Schedule
 from pipetrain.plan.simulate import SimResult, simulate
 
@@ -70,6 +79,8 @@ _NAMED_SHARE = 0.4  # of the time limit, at most, for building and simulating na
 _FIRST_LOOK_SHARE = 0.45  # of the search time, for a first look at every layout
 _T = TypeVar("_T")
 _PRELOAD_WORTH = 3.0  # seconds of time limit, at least, to spend one importing CP-SAT
+_RECHECK_SHARE = 0.25  # of the search time, kept to search again where message buffers overflow
+_RECHECKS = 3  # searches again at most, each with less room on the ranks that went over
 
 
 @dataclass(frozen=True)
@@ -204,13 +215,18 @@ def _rank(
             continue
         stage_costs = costs if fixed else costs.for_layout(v)
         result = simulate(schedule, stage_costs, check=False)  # a generator's own output
-        if result.peak_memory_bytes is not None:
-            memory = max(result.peak_memory_bytes.values(), default=0.0)
-        else:  # in the units of memory_limit: a rank's share of a microbatch's activations, or a stage's
-            memory = result.max_peak_memory / (1 if costs.prices_one_stage else v)
+        memory = max(_rank_memory(result, costs, v), default=0.0)
         fits = memory_limit is None or memory <= memory_limit + 1e-9
         candidates.append(Candidate(name, v, schedule, result, memory, fits))
     return sorted(candidates, key=_rank_key), []
+
+
+def _rank_memory(result: SimResult, costs: Costs, v: int) -> list[float]:
+    """Per rank, the simulated peak memory in the units of ``memory_limit``: bytes with any byte
+    cost, else a rank's share of a microbatch's activations (or a stage's, for plain costs)."""
+    if result.peak_memory_bytes is not None:
+        return [result.peak_memory_bytes[r] for r in range(result.num_ranks)]
+    return [result.peak_memory[r] / (1 if costs.prices_one_stage else v) for r in range(result.num_ranks)]
 
 
 def _rank_key(c: Candidate) -> tuple[bool, float, float, int]:
@@ -264,7 +280,9 @@ def auto_schedule(
     constructed beats it, else a schedule named "Auto". ``placement`` ("loop" or "v") fixes the layout,
     with two stages per rank unless ``stages_per_rank`` or per-stage costs say otherwise (a V needs
     two); ``names`` restricts the named schedules considered. Raises ScheduleError when nothing
-    fits, naming the least memory a layout needs.
+    fits, naming the least memory a layout needs (one microbatch at a time: with that limit a
+    schedule is returned). ``simulate(best, costs)`` puts no rank over ``memory_limit``; the
+    lowered schedule, whose receives are posted early, can hold a few message buffers more.
 
     ``Costs(...)`` prices one stage, as ``simulate`` reads it; ``Costs.per_rank(...)`` a rank's
     share of one model, which the search cuts into each layout's stages (as the CLI's
@@ -363,36 +381,52 @@ def plan_schedule(
     least: tuple[float, str] | None = None
     for v, place in layouts:
         problem = layout_problem(num_ranks, num_microbatches, costs, memory_limit, v, place, fixed is not None)
-        need = problem.least_memory()
-        if least is None or need < least[0]:
-            least = (need, f"{v} stage(s) per rank, {place} placement")
-        if memory_limit is None or need <= memory_limit + 1e-9:
-            problems.append(problem)
+        # The least memory it needs: that of one microbatch alone (as many run one at a time).
+        alone = replace(problem, num_microbatches=1)
+        orders = one_at_a_time(alone)
+        single = _checked(alone, orders, costs, memory_limit)
+        if least is None or single.memory < least[0]:
+            where = f"{v} stage(s) per rank, {place} placement"
+            least = (single.memory, f"one microbatch alone needs {single.memory:.12g} on some rank ({where})")
+        if single.fits:
+            # What simulate counts there beyond the search's model (message buffers in flight)
+            # is room the search keeps on each rank from the start.
+            problems.append(raised(problem, _excess(alone, orders, single, costs)))
+    for c in ranked:  # (a named schedule of another layout could need less)
+        if placement is not None and family(c.name).placement != placement:
+            continue
+        if least is not None and c.memory < least[0] - 1e-9:
+            least = (c.memory, f"{c.name} at {c.stages_per_rank} stage(s) per rank needs {c.memory:.12g} on some rank")
     if not problems and best_named is None:
         if least is None:
             raise ScheduleError(f"no layout accepts {num_ranks} ranks and {num_microbatches} microbatches")
-        raise ScheduleError(
-            f"no schedule fits memory_limit={memory_limit:g}: one microbatch alone needs {least[0]:g} "
-            f"on some rank ({least[1]})"
-        )
+        raise ScheduleError(f"no schedule fits memory_limit={memory_limit:.12g}: {least[1]}")
 
     rng = random.Random(seed)
     found: list[tuple[float, Problem, Orders]] = []
     if time_limit >= _PRELOAD_WORTH and not exact.ready() and any(windows_fit(p) for p in problems):
         exact.preload()  # within the time limit: the search below gets what is left
+    recheck_until = search_deadline
+    if memory_limit is not None and costs.message_bytes is not None:
+        # The search counts message buffers between ranks only roughly (they depend on timing):
+        # keep time to search again, with less room, where simulating what it found says more.
+        search_deadline -= _RECHECK_SHARE * max(0.0, search_deadline - time.perf_counter())
     # With two layouts that CP-SAT can take, each gets a first look (list scheduling and local
     # search); the better one then gets what time is left for CP-SAT over windows.
     several = len(problems) > 1 and all(uses_windows(p) for p in problems)
     first_until = time.perf_counter() + (_FIRST_LOOK_SHARE if several else 1.0) * (
         search_deadline - time.perf_counter()
     )
+    seeds: dict[int, list[Orders]] = {}
     for index, problem in enumerate(problems):
         share = (first_until - time.perf_counter()) / (len(problems) - index)
+        seeds[id(problem)] = [problem.orders_of(c.schedule) for c in named if _same_layout(problem, c.schedule)]
         if best_named is not None and share < 2 * SECONDS_PER_ACTION * 3 * problem.num_stages * num_microbatches:
             continue  # not even one list-scheduling run would end in time: the named schedules stand
-        seeds = [problem.orders_of(c.schedule) for c in named if _same_layout(problem, c.schedule)]
         # construct may end a little past its deadline (one evaluation, the last list-scheduling run).
-        result = construct(problem, seeds, time.perf_counter() + 0.92 * share, rng, 0.0 if several else None)
+        result = construct(
+            problem, seeds[id(problem)], time.perf_counter() + 0.92 * share, rng, 0.0 if several else None
+        )
         if result is not None:
             found.append((result[1], problem, result[0]))
     if several:
@@ -404,54 +438,84 @@ def plan_schedule(
             orders, makespan = polish(problem, orders, makespan, search_deadline, rng, blocks_first=best_named is None)
             polished.append((makespan, problem, orders))
         found = polished
+    # What the search found, simulated as the caller will (searched again with less room where
+    # that puts it over the limit, while time is left).
+    found.sort(key=lambda item: item[0])  # (the fastest gets the time to search again first)
+    checked = [_fitting(p, o, costs, memory_limit, seeds[id(p)], recheck_until, rng) for _, p, o in found]
+    autos = [c for c in checked if c is not None]
     if rest and time.perf_counter() < deadline:
         more, _ = _rank(num_ranks, num_microbatches, costs, memory_limit, rest, deadline, at_least_one=False)
         named += [c for c in more if c.fits and (placement is None or family(c.name).placement == placement)]
         named.sort(key=_rank_key)
     tolerance = MEMORY_TOLERANCE if memory_limit is None else 0.0
-    offers: list[tuple[Alternative, Candidate | None]] = [
+    offers: list[tuple[Alternative, Candidate]] = [
         (Alternative(c.name, c.stages_per_rank, c.result.makespan, c.memory), c) for c in named
     ]
     best_named = _prefer(offers, tolerance)[0] if offers else None
-    if found:
-        makespan, problem, orders = min(found, key=lambda item: item[0])
-        memory = max(problem.peak(o) for o in orders)
-        offers.append((Alternative("Auto", problem.num_stages // num_ranks, makespan, memory), None))
+    if not autos and not offers:  # nothing better found: the microbatches one at a time fit
+        autos = [c for c in (_checked(p, one_at_a_time(p), costs, memory_limit) for p in problems) if c.fits]
+    if autos:
+        auto = min(autos, key=lambda c: (c.result.makespan, c.memory))
+        offers.append((Alternative("Auto", auto.stages_per_rank, auto.result.makespan, auto.memory), auto))
     if not offers:
         raise ScheduleError("no schedule found within the time limit; give it more time_limit")
     chosen, faster = _prefer(offers, tolerance)
-    if chosen is None:  # the constructed one
-        return Plan(problem.to_schedule(orders), makespan, memory, best_named, faster=faster)
     return Plan(chosen.schedule, chosen.result.makespan, chosen.memory, best_named, faster=faster)
+
+
+def _checked(problem: Problem, orders: Orders, costs: Costs, memory_limit: float | None) -> Candidate:
+    """``orders`` as a schedule, simulated as the caller will simulate it (``simulate(schedule, costs)``)."""
+    schedule = problem.to_schedule(orders)
+    v = problem.num_stages // problem.num_ranks
+    result = simulate(schedule, costs, check=False)
+    memory = max(_rank_memory(result, costs, v), default=0.0)
+    return Candidate("Auto", v, schedule, result, memory, memory_limit is None or memory <= memory_limit + 1e-9)
+
+
+def _excess(problem: Problem, orders: Orders, candidate: Candidate, costs: Costs) -> list[float]:
+    """Per rank, what simulating ``orders`` (``candidate``) counts beyond ``problem``'s model of
+    them (message buffers in flight), at the rank's peak."""
+    peaks = _rank_memory(candidate.result, costs, candidate.stages_per_rank)
+    return [
+        max(0.0, peak - problem.peak(program, r)) for r, (peak, program) in enumerate(zip(peaks, orders, strict=True))
+    ]
+
+
+def _fitting(
+    problem: Problem,
+    orders: Orders,
+    costs: Costs,
+    memory_limit: float | None,
+    seeds: list[Orders],
+    until: float,
+    rng: random.Random,
+) -> Candidate | None:
+    """``orders`` simulated; where that puts a rank over ``memory_limit`` (message buffers the
+    search counts only roughly), orders searched again with that rank's room cut by its excess, up
+    to :data:`_RECHECKS` times by ``until``; None if none fits."""
+    for attempt in range(_RECHECKS + 1):
+        candidate = _checked(problem, orders, costs, memory_limit)
+        if candidate.fits or memory_limit is None:
+            return candidate
+        now = time.perf_counter()
+        if attempt == _RECHECKS or now >= until:
+            return None
+        over = _rank_memory(candidate.result, costs, candidate.stages_per_rank)
+        excess = _excess(problem, orders, candidate, costs)
+        problem = raised(
+            problem, [x if peak > memory_limit + 1e-9 else 0.0 for x, peak in zip(excess, over, strict=True)]
+        )
+        if problem.least_memory() > memory_limit + 1e-9:
+            return None
+        fit = [o for o in seeds if problem.fits(o)]
+        result = construct(problem, fit, now + (until - now) / (_RECHECKS - attempt), rng, 0.0)
+        if result is None:
+            return None
+        orders = result[0]
+    return None  # pragma: no cover - the loop returns
 
 
 def _same_layout(problem: Problem, schedule: Schedule) -> bool:
     return schedule.num_stages == problem.num_stages and all(
         schedule.stage_to_rank.get(s) == r for s, r in enumerate(problem.stage_to_rank)
     )
-
-
-def layout_problem(
-    num_ranks: int,
-    num_microbatches: int,
-    costs: Costs,
-    memory_limit: float | None,
-    v: int,
-    place: str,
-    per_stage: bool,
-) -> Problem:
-    """The planning problem for one layout: ``v`` stages per rank placed in a loop or a V, costs cut
-    into stages unless ``per_stage`` (measured per stage), activations weighted in the units of
-    ``memory_limit`` (bytes with ``activation_bytes``, else a rank's share)."""
-    rank_of = (
-        [v_placement(num_ranks)[s] for s in range(2 * num_ranks)]
-        if place == "v"
-        else [s % num_ranks for s in range(num_ranks * v)]
-    )
-    stage_costs = costs if per_stage else costs.for_layout(v)
-    n = num_ranks * v
-    if stage_costs.activation_bytes is not None:
-        weight = stage_costs.per_stage("activation_bytes", n)
-    else:
-        weight = [1.0 if costs.prices_one_stage else 1.0 / v] * n
-    return Problem.build(num_ranks, num_microbatches, rank_of, stage_costs, weight, memory_limit, place)

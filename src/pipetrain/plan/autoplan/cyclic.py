@@ -7,7 +7,8 @@ period, CP-SAT finds offsets that minimise the block's length exactly:
 * every action waits for its inputs (the problem's dependency tables, with the message latency);
 * a rank's actions do not overlap modulo the period (each action's phase, and its copy one period
   later, in one no-overlap: that is exactly no overlap on the circle);
-* memory, counted where it can peak (at each forward's start): an activation of lane i is alive
+* memory, counted where it can peak (at each forward's start; an activation at the most it holds
+  until its backward ends, the base of the rank taken off its room): an activation of lane i is alive
   at time t in ``floor((t - F_i) / T) - floor((t - W_i_end) / T)`` periods, which CP-SAT states
   with two integer quotients per pair of (forward, activation) on a rank.
 
@@ -130,11 +131,15 @@ def _solve(
 def _memory(
     model: Any, problem: Problem, ops: list[BlockAction], start: list[Any], dur: list[int], period: int, horizon: int
 ) -> None:
-    """At each forward's start, the activations alive on its rank fit the limit."""
-    assert problem.limit is not None
+    """At each forward's start, the activations alive on its rank fit its room (each counted at the
+    most it holds until its backward ends)."""
     release = {(op.stage, op.lane): k for k, op in enumerate(ops) if op.kind in (KIND_W, KIND_B)}
+    split = any(op.kind == KIND_W for op in ops)
+    held = problem.hold if split else problem.weight
     span = horizon // period + 2
     for rank in range(problem.num_ranks):
+        room = problem.room(rank)
+        assert room is not None
         forwards = [k for k, op in enumerate(ops) if op.rank == rank and op.kind == KIND_F]
         for e in forwards:
             alive = []
@@ -147,7 +152,5 @@ def _memory(
                 model.add(start[e] - start[i] <= a * period + period - 1)
                 model.add(b * period <= start[e] - start[w] - dur[w])
                 model.add(start[e] - start[w] - dur[w] <= b * period + period - 1)
-                alive.append((round(ops[i].weight * _WEIGHT_SCALE), a - b))
-            model.add(
-                sum(weight * count for weight, count in alive) <= math.floor(problem.limit * _WEIGHT_SCALE + 1e-6)
-            )
+                alive.append((round(held[ops[i].stage] * _WEIGHT_SCALE), a - b))
+            model.add(sum(weight * count for weight, count in alive) <= math.floor(room * _WEIGHT_SCALE + 1e-6))

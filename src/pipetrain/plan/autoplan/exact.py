@@ -60,7 +60,7 @@ def solvable(problem: Problem, scale: int = 10) -> bool:
     values = [*problem.f, *problem.i, *problem.w, problem.comm]
     if any(abs(round(x * scale) - x * scale) > 1e-6 for x in values):
         return False
-    if problem.limit is not None and any(abs(round(a) - a) > 1e-9 for a in problem.weight):
+    if problem.limit is not None and any(abs(round(a) - a) > 1e-9 for a in problem.hold):
         return False
     return True
 
@@ -118,21 +118,23 @@ class _Model:
         for r in range(n_rk):
             model.add_no_overlap(per_rank[r])
         if problem.limit is not None:
-            # An activation is held over an interval (from its F's start to its W's end): memory is
-            # a cumulative resource of capacity ``limit`` on each rank.
+            # An activation is held over an interval (from its F's start to its W's end, at the most
+            # it holds in between): memory is a cumulative resource of the rank's room.
             for r in range(n_rk):
                 held: list[Any] = []
                 demands: list[int] = []
                 for s in problem.stages_of(r):
-                    a = round(problem.weight[s])
-                    assert abs(a - problem.weight[s]) < 1e-9, "the exact model takes integer activation weights"
+                    a = round(problem.hold[s])
+                    assert abs(a - problem.hold[s]) < 1e-9, "the exact model takes integer activation weights"
                     for m in range(n_mb):
                         f, w = problem.code(KIND_F, s, m), problem.code(KIND_W, s, m)
                         size = model.new_int_var(0, horizon, f"h{f}")
                         held.append(model.new_interval_var(start[f], size, end[w], f"a{f}"))
                         self.held.append((size, f, w))
                         demands.append(a)
-                model.add_cumulative(held, demands, int(problem.limit + 1e-9))
+                room = problem.room(r)
+                assert room is not None
+                model.add_cumulative(held, demands, max(0, int(room + 1e-9)))
         makespan = model.new_int_var(0, horizon, "makespan")
         model.add_max_equality(makespan, list(end.values()))
         model.minimize(makespan)

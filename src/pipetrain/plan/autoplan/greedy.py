@@ -3,9 +3,10 @@ rank is free, choosing one of its ready actions by a :class:`Policy`.
 
 Forwards are admitted only while the state stays *safe* (the banker's rule): ordering the
 microbatches in flight oldest first, each one's remaining forwards must fit in what the rank would
-have once every older microbatch had finished. Backward and weight-gradient actions need no memory,
-so a safe state can always be finished, and the list scheduler never deadlocks on memory, however
-tight the limit (down to one microbatch's own activations).
+have once every older microbatch had finished. A forward reserves the most its (stage, microbatch)
+holds until its backward ends (split: the larger of its activation and what W reads), so backward
+and weight-gradient actions need no memory, a safe state can always be finished, and the list
+scheduler never deadlocks on memory, however tight the limit (down to one microbatch's own).
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ class _ListScheduler:
         self.x_kind = KIND_I if policy.split else KIND_B
         self.jitter = rng.random if (rng is not None and policy.noise > 0) else None
         rank_of = problem.stage_to_rank
-        weight = problem.weight
+        # What a forward reserves until its backward ends (see the module docs).
+        self.weight = weight = problem.hold if policy.split else problem.weight
         per_mb = [0.0] * n_rk  # one microbatch's activations on each rank
         for st in range(n_st):
             per_mb[rank_of[st]] += weight[st]
@@ -93,7 +95,7 @@ class _ListScheduler:
 
     def run(self) -> Orders | None:
         t, sm, n_mb = self.t, self.sm, self.n_mb
-        weight = self.p.weight
+        weight = self.weight
         events, free, wake, waiting, ws = self.events, self.free, self.wake, self.waiting, self.ws
         held, held_mb, need, left, inflight = self.held, self.held_mb, self.need, self.left, self.inflight
         done = 0
@@ -169,7 +171,7 @@ class _ListScheduler:
                     heapq.heappush(self.events, (when, r))
 
     def _safe(self, r: int, m: int, a: float) -> bool:
-        limit = self.p.limit
+        limit = self.p.room(r)
         if limit is None:
             return True
         bound = limit + _EPS
@@ -190,7 +192,7 @@ class _ListScheduler:
         policy = self.policy
         sm, n_mb = self.sm, self.n_mb
         arrival = self.arrival
-        weight = self.p.weight
+        weight = self.weight
         jitter = self.jitter
         noise = policy.noise
         best_back: tuple[float, int] | None = None

@@ -46,7 +46,7 @@ def _descend(
             program = best[r]
             for j in range(k + 1, min(k + _WINDOW, len(program))):
                 trial = [*program[:k], program[j], *program[k:j], *program[j + 1 :]]
-                if limit is not None and problem.peak(trial) > limit + _EPS:
+                if limit is not None and problem.peak(trial, r) > limit + _EPS:
                     continue
                 best[r] = trial
                 new = problem.score(best)
@@ -88,7 +88,7 @@ def _anneal(
             continue
         trial = list(program)
         trial.insert(j, trial.pop(k))
-        if limit is not None and problem.peak(trial) > limit + _EPS:
+        if limit is not None and problem.peak(trial, r) > limit + _EPS:
             continue
         current[r] = trial
         new = problem.score(current)

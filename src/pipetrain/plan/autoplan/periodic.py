@@ -40,7 +40,7 @@ class BlockAction:
     stage: int
     rank: int
     dur: float
-    weight: float  # memory: +a stage's activation at an F's start, - at a W's or B's end, 0 for I
+    weight: float  # memory: + at an F's start; at an I's end what W reads - the activation; - at a W's or B's end
     preds: tuple[tuple[int, float], ...]  # (op index, latency)
     lane: int  # which microbatch of the block: microbatch q * lanes + lane runs it in period q
 
@@ -81,14 +81,17 @@ class Block:
         n = min(problem.num_microbatches, (math.ceil(span / self.period) + 2) * self.lanes)
         worst = 0.0
         for r in range(problem.num_ranks):
+            # A change at an F's start, else at the action's end; at one time frees first (an action
+            # ending when the next one starts).
             events = sorted(
-                (s + (m // self.lanes) * self.period, k, op.weight)
+                (s + (m // self.lanes) * self.period + (0.0 if op.kind == KIND_F else op.dur), op.weight, k)
                 for k, (op, s) in enumerate(zip(self.ops, self.start, strict=True))
                 if op.rank == r
                 for m in range(op.lane, n, self.lanes)
             )
-            held = 0.0
-            for _, _, delta in events:
+            held = problem.base[r] if problem.base else 0.0
+            worst = max(worst, held)
+            for _, delta, _ in events:
                 held += delta
                 worst = max(worst, held)
         return worst

@@ -10,7 +10,11 @@ the last stage, the input-gradient of (s+1,m); W(s,m) needs I(s,m). A product cr
 arrives ``comm`` after its action ends.
 
 Memory is a property of the order alone: a rank holds the activation of (s, m) from the start of
-F(s,m) to the end of W(s,m) or B(s,m), so its peak is the largest prefix sum of its program.
+F(s,m) to the end of B(s,m), or, split, to the end of I(s,m) and then what W reads
+(``held_after_i``) until W(s,m) ends, on top of what it holds whatever the order (``base``); so its
+peak is the largest prefix sum of its program. This is :mod:`pipetrain.plan.memory`'s model for
+those parts, exactly; what it makes of message buffers between ranks depends on timing, which
+the planners check by simulating what they return.
 """
 
 from __future__ import annotations
@@ -42,7 +46,9 @@ class Problem:
     """Sizes, placement, per-stage durations and memory weights of one planning problem.
 
     ``weight[s]`` is what one activation of stage s costs against ``limit`` (bytes, or a stage's
-    share of a rank's activations); ``limit`` None means unlimited.
+    share of a rank's activations); ``limit`` None means unlimited. ``held_after_i[s]`` is what a
+    split backward of stage s holds instead from its I's end until its W ends (empty: the weight),
+    ``base[r]`` what rank r holds throughout (static bytes, its largest transient; empty: none).
     """
 
     num_ranks: int
@@ -56,6 +62,8 @@ class Problem:
     weight: tuple[float, ...]
     limit: float | None
     placement: str
+    held_after_i: tuple[float, ...] = ()
+    base: tuple[float, ...] = ()
 
     @classmethod
     def build(
@@ -67,6 +75,8 @@ class Problem:
         weight: Sequence[float],
         limit: float | None,
         placement: str,
+        held_after_i: Sequence[float] = (),
+        base: Sequence[float] = (),
     ) -> Problem:
         n = len(stage_to_rank)
         return cls(
@@ -81,11 +91,30 @@ class Problem:
             tuple(weight),
             limit,
             placement,
+            tuple(held_after_i),
+            tuple(base),
         )
 
     @property
     def num_stages(self) -> int:
         return len(self.stage_to_rank)
+
+    @property
+    def after_i(self) -> tuple[float, ...]:
+        """Per stage, what a split backward holds from its I's end until its W ends."""
+        return self.held_after_i or self.weight
+
+    @property
+    def hold(self) -> tuple[float, ...]:
+        """Per stage, the most one (stage, microbatch) holds at any time of a split backward: a
+        constructor that reserves it from F's start to W's end never goes over the limit."""
+        return tuple(max(a, g) for a, g in zip(self.weight, self.after_i, strict=True))
+
+    def room(self, rank: int) -> float | None:
+        """What ``rank`` has for held activations under ``limit`` (None: unlimited)."""
+        if self.limit is None:
+            return None
+        return self.limit - (self.base[rank] if self.base else 0.0)
 
     def retimed(
         self,
@@ -95,14 +124,19 @@ class Problem:
         weight: Sequence[float],
         limit: float | None,
         b: Sequence[float] | None = None,
+        held_after_i: Sequence[float] = (),
+        base: Sequence[float] = (),
     ) -> Problem:
-        """This layout with other per-stage durations (``b`` default ``i + w``), memory weights and limit.
+        """This layout with other per-stage durations (``b`` default ``i + w``), memory weights and limit
+        (``held_after_i`` and ``base`` none unless given).
 
         The dependency tables are shared, not rebuilt (they are most of a problem's cost): a
         planner that scores one layout under many cuts of a model builds it once."""
         n = self.num_stages
         if not len(f) == len(i) == len(w) == len(weight) == n or (b is not None and len(b) != n):
             raise ScheduleError(f"retimed needs {n} values per stage")
+        if len(held_after_i) not in (0, n) or len(base) not in (0, self.num_ranks):
+            raise ScheduleError(f"retimed needs {n} values per stage and {self.num_ranks} per rank")
         new = copy.copy(self)
         values = {
             "f": tuple(f),
@@ -111,6 +145,8 @@ class Problem:
             "b": tuple(x + y for x, y in zip(i, w, strict=True)) if b is None else tuple(b),
             "weight": tuple(weight),
             "limit": limit,
+            "held_after_i": tuple(held_after_i),
+            "base": tuple(base),
         }
         for name, value in values.items():
             object.__setattr__(new, name, value)
@@ -118,6 +154,8 @@ class Problem:
         return new
 
     def __post_init__(self) -> None:
+        if len(self.held_after_i) not in (0, self.num_stages) or len(self.base) not in (0, self.num_ranks):
+            raise ScheduleError(f"a problem needs {self.num_stages} values per stage and {self.num_ranks} per rank")
         object.__setattr__(self, "_tables", _Tables(self))
 
     @property
@@ -281,19 +319,20 @@ class Problem:
                 pointers[r], free[r] = k, now
         return out
 
-    def peak(self, program: Sequence[int]) -> float:
-        """Peak memory of one rank's program, in the units of ``limit``."""
+    def peak(self, program: Sequence[int], rank: int | None = None) -> float:
+        """Peak memory of one rank's program, in the units of ``limit``: its held activations, plus
+        what the rank holds throughout when ``rank`` is given."""
         delta = self.tables.delta
         held = peak = 0.0
         for c in program:
             held += delta[c]
             if held > peak:
                 peak = held
-        return peak
+        return peak + (self.base[rank] if rank is not None and self.base else 0.0)
 
     def least_memory(self) -> float:
         """The memory one microbatch alone needs on its busiest rank: no order can need less."""
-        per_rank = [0.0] * self.num_ranks
+        per_rank = list(self.base) if self.base else [0.0] * self.num_ranks
         for s, r in enumerate(self.stage_to_rank):
             per_rank[r] += self.weight[s]
         return max(per_rank)
@@ -302,7 +341,7 @@ class Problem:
         if self.limit is None:
             return True
         bound = self.limit + 1e-9
-        return all(self.peak(program) <= bound for program in orders)
+        return all(self.peak(program, r) <= bound for r, program in enumerate(orders))
 
     def complete(self, orders: Orders) -> bool:
         """Every (stage, microbatch) has F, its backward (B, or I and W) exactly once."""
@@ -356,8 +395,11 @@ class _Tables:
     def _costs(self, p: Problem) -> None:
         n_st, n_mb = p.num_stages, p.num_microbatches
         self.dur, self.rank, self.delta = [], [], []
-        for durations, sign in ((p.f, 1.0), (p.i, 0.0), (p.w, -1.0), (p.b, -1.0)):
+        a, g = p.weight, p.after_i
+        # Memory: F takes the activation, I trades it for what W reads, W frees that, B the activation.
+        deltas = ([a[s] for s in range(n_st)], [g[s] - a[s] for s in range(n_st)], [-x for x in g], [-x for x in a])
+        for durations, delta in zip((p.f, p.i, p.w, p.b), deltas, strict=True):
             for s in range(n_st):
                 self.dur += [durations[s]] * n_mb
                 self.rank += [p.stage_to_rank[s]] * n_mb
-                self.delta += [sign * p.weight[s]] * n_mb
+                self.delta += [delta[s]] * n_mb
