@@ -27,8 +27,11 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy --strict src/pipetrain
 
+# torch's own pipelining tests with the import switched run in a process of their own
+# (tests/torch_conformance/conftest.py).
 pytest: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 tests
+	$(BIN)/python -m pytest -q -n 2 tests/torch_conformance
 
 test: lint typecheck pytest
 

@@ -285,21 +285,16 @@ def backward_weight(plan: WeightGradPlan) -> None:
             x, y = gemm.operands()
             w = gemm.weight
             mul = torch.bmm if gemm.batched else torch.mm
-            grad = w.grad
-            if grad is not None and grad.dtype == x.dtype and grad.shape == (*x.shape[:-1], y.shape[-1]):
-                if gemm.batched:
-                    grad.baddbmm_(x, y, alpha=gemm.alpha)
-                else:
-                    grad.addmm_(x, y, alpha=gemm.alpha)
+            # The product, then added: what autograd's AccumulateGrad does, so the sum rounds as
+            # a one-pass backward's does (a fused addmm_ differs in the last bits, measured).
+            part = mul(x, y)
+            if gemm.alpha != 1.0:
+                part.mul_(gemm.alpha)
+            part = part.to(w.dtype).reshape(w.shape)
+            if w.grad is None:
+                w.grad = part.contiguous()
             else:
-                part = mul(x, y)
-                if gemm.alpha != 1.0:
-                    part.mul_(gemm.alpha)
-                part = part.to(w.dtype).reshape(w.shape)
-                if grad is None:
-                    w.grad = part.contiguous()
-                else:
-                    grad.add_(part)
+                w.grad.add_(part)
             gemm.g = gemm.a = None
             touched[id(w)] = w
     plan.gemms = []
@@ -372,15 +367,23 @@ def stage_backward_input(
     weights: Any,
 ) -> tuple[tuple[torch.Tensor | None, ...], list[dict[str, Any]]]:
     """torch's I: the inputs' gradients (also added into their ``.grad``) and the ``param_groups``
-    that :func:`stage_backward_weight` takes. Here the groups hold the deferred weight GEMMs (W
-    makes no engine call); ``weights`` is accepted as torch's and not needed."""
-    del weights
+    that :func:`stage_backward_weight` takes; no ``weights``' ``.grad`` changes before W. Here the
+    groups hold the deferred weight GEMMs (W makes no engine call) and the other weights'
+    gradients, which I computed on the way and W adds."""
+    params = [w for w in weights if isinstance(w, torch.Tensor)]
+    kept = [w.grad for w in params]
+    for w in params:
+        w.grad = None
     tensors = [v for v in input_values if isinstance(v, torch.Tensor) and v.requires_grad]
     try:
         edges, grads = _pairs(stage_outputs_or_loss, output_grads)
         got, plan = backward_input(edges, grads, tensors)  # (no input needs grad: all waits for W)
     except RuntimeError as exc:
         raise _failed("stage backward input", stage_outputs_or_loss, output_grads, input_values, exc) from exc
+    finally:
+        early = [(w, w.grad) for w in params if w.grad is not None]
+        for w, g in zip(params, kept, strict=True):
+            w.grad = g
     by_id = dict(zip((id(t) for t in tensors), got, strict=True))
     dinputs: list[torch.Tensor | None] = []
     for v in input_values:
@@ -391,7 +394,7 @@ def stage_backward_input(
     for t in stage_outputs_or_loss:
         if isinstance(t, torch.Tensor):
             t.detach_()
-    return tuple(dinputs), [{"pipetrain_plan": plan}]
+    return tuple(dinputs), [{"pipetrain_plan": plan, "pipetrain_early": early}]
 
 
 def stage_backward_weight(
@@ -409,5 +412,8 @@ def stage_backward_weight(
                 "stage_backward_weight: these param_groups are not pipetrain's; give it what "
                 "pipetrain's stage_backward_input returned"
             )
+        with torch.no_grad():
+            for w, grad in group.pop("pipetrain_early", ()):
+                w.grad = grad if w.grad is None else w.grad.add_(grad)
         backward_weight(plan)
     return before

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["PipelineError"]  # (ScheduleError: pipetrain.plan.errors; read here too, below)
+__all__ = ["PipelineError", "PipeliningMetadataError"]  # (ScheduleError: pipetrain.plan.errors; read here too, below)
 
 
 class PipelineError(RuntimeError):
@@ -20,6 +20,11 @@ class PipelineError(RuntimeError):
     Messages name the rank, the step and the action involved, so every rank can report what
     went wrong where, instead of hanging.
     """
+
+
+class PipeliningMetadataError(PipelineError):
+    """What a stage received (or was given) does not match what it expects: shapes, dtypes or
+    count of inputs, outputs or gradients (torch's name for the same error)."""
 
 
 def __getattr__(name: str) -> Any:

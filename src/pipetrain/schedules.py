@@ -18,6 +18,17 @@ from typing import Any, ClassVar
 
 import torch.distributed as dist
 
+from pipetrain._torch_lowering import (  # noqa: F401  (torch's private names, re-exported)
+    _add_reduce_grad,
+    _add_send_recv,
+    _add_unshard_reshard,
+    _batch_p2p,
+    _defer_recv_ops,
+    _merge_bw,
+    _requires_reduce_grad,
+    _simulate_comms_compute,
+    _sorted_batch_p2p,
+)
 from pipetrain.errors import PipelineError
 from pipetrain.liveness import PipelineActivationLiveness, analyze_pipeline_activation_liveness
 from pipetrain.plan import Action, ActionKind, ScheduleError, build_schedule
@@ -113,6 +124,13 @@ def _validate_schedule(
             num_microbatches=num_microbatches,
         )
         schedule.validate()
+        rows = schedule.actions.values()
+        if not any(p.kind.is_backward for row in rows for a in row if a is not None for p in a.parts):
+            # torch's check is of a training order; pipetrain's schedules may be forward-only.
+            raise ScheduleError(
+                f"no stage has a backward: each of the {num_stages} stages needs B (or I and W) for each of "
+                f"the {num_microbatches} microbatches in a training schedule"
+            )
     except ScheduleError as err:
         raise AssertionError(f"{err}\n\nFull pipeline schedule:\n{_format_pipeline_order(actions)}") from None
     return dict(schedule.stage_to_rank)
@@ -237,7 +255,9 @@ class _NamedSchedule(PipelineScheduleRuntime):
         self._pending = None
         group = options.get("group", stage_list[0].group)
         if not dist.is_available() or not dist.is_initialized():
-            raise PipelineError(f"{name} needs an initialised torch.distributed process group")
+            self._plan_only(stage_list, n_microbatches, loss_fn, scale_grads, options, backward_requires_autograd)
+            self._pending_specs = (args_chunk_spec, kwargs_chunk_spec, output_merge_spec)
+            return
         rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
         try:
             if self.one_stage_per_rank and len(stage_list) != 1:
@@ -245,7 +265,7 @@ class _NamedSchedule(PipelineScheduleRuntime):
             try:
                 schedule = build_schedule(self.schedule_name, num_ranks, n_microbatches, len(stage_list))
             except ScheduleError as err:
-                raise PipelineError(f"rank {rank}: {name}: {err}") from err
+                raise ScheduleError(f"rank {rank}: {name}: {err}") from err  # a ValueError, as torch's
         except PipelineError as err:
             # The other ranks learn of it at their first step instead of waiting for this rank.
             announce_failure(group, f"{err} (raised while building the schedule)")
@@ -262,7 +282,44 @@ class _NamedSchedule(PipelineScheduleRuntime):
             **options,
         )
 
+    def _plan_only(
+        self,
+        stage_list: list[PipelineStage],
+        n_microbatches: int,
+        loss_fn: LossFn | None,
+        scale_grads: bool,
+        options: dict[str, Any],
+        backward_requires_autograd: bool,
+    ) -> None:
+        """No process group yet: the order alone, from the stages' ``group_size`` (as torch builds
+        it; its visualiser and test doubles read ``pipeline_order`` this way). The runtime is
+        made at the first step, once a group exists."""
+        name = type(self).__name__
+        try:
+            num_ranks = stage_list[0].group_size
+        except (RuntimeError, ValueError) as err:
+            raise PipelineError(f"{name} needs an initialised torch.distributed process group") from err
+        if self.one_stage_per_rank and len(stage_list) != 1:
+            raise PipelineError(f"{name} runs one stage per rank, got {len(stage_list)}")
+        schedule = build_schedule(self.schedule_name, num_ranks, n_microbatches, len(stage_list))
+        if stage_list[0].num_stages != schedule.num_stages:
+            raise ScheduleError(
+                f"{name}: the stages say num_stages={stage_list[0].num_stages}, but {len(stage_list)} stage(s) "
+                f"per rank on {num_ranks} ranks make {schedule.num_stages}"
+            )
+        self._pending = dict(
+            stages=stage_list,
+            loss_fn=loss_fn,
+            scale_grads=scale_grads,
+            backward_requires_autograd=backward_requires_autograd,
+            **options,
+        )
+        self._waiting = schedule
+        self._planned = schedule
+        self.n_microbatches = n_microbatches
+
     def _load_csv(self, filename: str, format: str = "compute_only") -> None:
+        self.__dict__.pop("_waiting", None)
         pending = self._pending
         if pending is None:
             super()._load_csv(filename, format)
@@ -294,6 +351,11 @@ class _NamedSchedule(PipelineScheduleRuntime):
 
     def __getattr__(self, name: str) -> Any:
         # Reached only for attributes that do not exist yet: those a loaded schedule would have.
+        if self.__dict__.get("_waiting") is not None:
+            raise AttributeError(
+                f"{type(self).__name__}.{name} exists once a torch.distributed process group is initialised "
+                "(the runtime is made at the first step; pipeline_order is there already)"
+            )
         if self.__dict__.get("_pending") is not None:
             raise AttributeError(
                 f"{type(self).__name__} names no schedule yet ({name!r} needs one): load one with _load_csv(path)"
@@ -301,6 +363,16 @@ class _NamedSchedule(PipelineScheduleRuntime):
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def _not_loaded(self) -> None:
+        waiting = self.__dict__.get("_waiting")
+        if self._pending is not None and waiting is not None:
+            if not dist.is_available() or not dist.is_initialized():
+                raise PipelineError(f"{type(self).__name__} needs an initialised torch.distributed process group")
+            args = dict(self._pending)
+            stages, loss_fn, scale_grads = args.pop("stages"), args.pop("loss_fn"), args.pop("scale_grads")
+            specs = self.__dict__.pop("_pending_specs", (None, None, None))
+            PipelineScheduleRuntime.__init__(self, stages, waiting, loss_fn, scale_grads, *specs, **args)
+            self._pending = None
+            del self._waiting
         if self._pending is not None:
             raise PipelineError(
                 f"{type(self).__name__} names no schedule: load one with _load_csv(path) first, or use a "
@@ -316,6 +388,15 @@ class _NamedSchedule(PipelineScheduleRuntime):
         """:meth:`PipelineScheduleRuntime.eval`, once a schedule is there (see ``_load_csv``)."""
         self._not_loaded()
         return super().eval(*args, **kwargs)
+
+    def _initialize_stage(self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any = None) -> None:
+        """torch's set-up before a first step, where torch runs the stages once to learn the
+        shapes they exchange. pipetrain learns nothing that way (a message carries its shapes),
+        so no module runs and no buffer changes: the ranks only settle on one order, as the
+        first step would (every rank calls this, as in torch)."""
+        del args, kwargs, target
+        self._not_loaded()
+        self._settle_order(self._prepared)
 
 
 class PipelineScheduleMulti(_NamedSchedule):

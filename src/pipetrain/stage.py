@@ -12,9 +12,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils.hooks import RemovableHandle
@@ -23,9 +24,6 @@ from pipetrain._backward import SavedTensors, WeightGradPlan, backward_full, bac
 from pipetrain._streams import current_stream, on_stream
 from pipetrain.errors import PipelineError
 from pipetrain.recompute import adopt_checkpointing
-
-if TYPE_CHECKING:
-    import torch.distributed as dist
 
 __all__ = ["PipelineStage", "PipelineStageInfo"]
 
@@ -78,8 +76,6 @@ def _as_device(device: torch.device | str | int) -> torch.device:
 
 
 def _is_process_group(value: object) -> bool:
-    import torch.distributed as dist
-
     return isinstance(value, dist.ProcessGroup)
 
 
@@ -203,21 +199,30 @@ class PipelineStage:
 
     @submod.setter
     def submod(self, module: torch.nn.Module) -> None:
-        adopt_checkpointing(module)
+        if module is not None:
+            adopt_checkpointing(module)
         self.submodule = module
 
     @property
     def group_rank(self) -> int:
-        """This process's rank in the pipeline group (torch's attribute)."""
-        import torch.distributed as dist
+        """This process's rank in the pipeline group (torch's attribute; assignable, as torch's
+        test doubles of a stage set it without a process group)."""
+        given = self.__dict__.get("_group_rank")
+        return dist.get_rank(self.group) if given is None else int(given)
 
-        return dist.get_rank(self.group)
+    @group_rank.setter
+    def group_rank(self, value: int) -> None:
+        self.__dict__["_group_rank"] = value
 
     @property
     def group_size(self) -> int:
-        import torch.distributed as dist
+        """The pipeline group's size (torch's attribute; assignable like :attr:`group_rank`)."""
+        given = self.__dict__.get("_group_size")
+        return dist.get_world_size(self.group) if given is None else int(given)
 
-        return dist.get_world_size(self.group)
+    @group_size.setter
+    def group_size(self, value: int) -> None:
+        self.__dict__["_group_size"] = value
 
     @property
     def is_first(self) -> bool:
@@ -490,6 +495,17 @@ class PipelineStage:
 
 _PipelineStageBase = PipelineStage
 """torch's base class of its stage classes; torchtitan imports it as a type."""
+
+
+@dataclass
+class _RecvInfo:
+    """torch's description of one input a stage receives: its name, the stage it comes from,
+    the buffer it lands in and its metadata (pipetrain's messages carry their own shapes)."""
+
+    input_name: str
+    source: int
+    buffer: Any = None
+    tensor_meta: Any = None
 
 
 def _normalize_model_output_as_tuple(output: Any) -> tuple[Any, ...]:

@@ -85,7 +85,8 @@ class Pipe(torch.nn.Module):
     """A model cut into stages: ``split_gm`` calls ``submod_0`` … ``submod_{n-1}`` in a chain.
 
     Calling the pipe runs every stage in this process, one after the other (a check that the
-    split computes what the model does).
+    split computes what the model does) and returns the model's outputs as a flat tuple, as
+    torch's ``Pipe`` does (``pipe(x)[0]`` is a one-output model's output).
     """
 
     def __init__(
@@ -102,7 +103,7 @@ class Pipe(torch.nn.Module):
         self.loss_spec = loss_spec
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.split_gm(*args, **kwargs)
+        return tuple(pytree.tree_leaves(self.split_gm(*args, **kwargs)))
 
     def get_stage_module(self, stage_idx: int) -> torch.nn.Module:
         """Stage ``stage_idx``'s module; its parameter names are the model's."""

@@ -128,7 +128,7 @@ def test_pipe_runs_the_model_and_keeps_its_names() -> None:
     x, mask, _ = skip_data()
     pipe = pipeline(model, (x[:MB],), {"mask": mask[:MB]}, split_spec=split_at("blocks.1", "blocks.2", "blocks.3"))
     assert isinstance(pipe, Pipe) and pipe.num_stages == 4 and pipe.info().num_stages == 4
-    torch.testing.assert_close(pipe(x[:MB], mask=mask[:MB]), model(x[:MB], mask=mask[:MB]))
+    torch.testing.assert_close(pipe(x[:MB], mask=mask[:MB])[0], model(x[:MB], mask=mask[:MB]))
     # Stage modules share the model's tensors under the model's names: a checkpoint maps back.
     own = dict(model.named_parameters())
     keys: list[str] = []

@@ -32,6 +32,19 @@ class CustomAction(Action):
 
     __slots__ = ()
 
+    def __new__(
+        cls,
+        stage_index: int,
+        computation_type: ActionKind,
+        microbatch_index: int | None = None,
+        sub_actions: tuple[Action, ...] | None = None,
+    ) -> CustomAction:
+        # torch's field names as keywords too: ``_Action(stage_index=0, computation_type=F, ...)``.
+        return super().__new__(cls, stage_index, computation_type, microbatch_index, sub_actions)  # type: ignore[return-value]
+
+    def __repr__(self) -> str:
+        return str(self)  # torch's repr is the action string: ``2F0``
+
     @property
     def stage_index(self) -> int:
         return self.stage
@@ -45,12 +58,11 @@ class CustomAction(Action):
         return self.microbatch
 
     @staticmethod
-    def from_str(text: str) -> CustomAction:
-        """torch's ``_Action.from_str``: one action string, e.g. ``"2F0"``."""
+    def from_str(text: str) -> CustomAction | None:
+        """torch's ``_Action.from_str``: one action string, e.g. ``"2F0"``; a blank one is None
+        (no action), as in torch's CSV reader."""
         action = Action.parse(text)
-        if action is None:
-            raise ValueError(f"{text!r} is no action")
-        return CustomAction.of(action)
+        return None if action is None else CustomAction.of(action)
 
     @staticmethod
     def of(action: Action) -> CustomAction:
