@@ -462,6 +462,17 @@ def _checked(
     return named
 
 
+def _layer_failed(k: int, name: str, named: Sequence[tuple[str, Any]], x: Any, err: Exception) -> str:
+    """What to tell a user whose layer ``k`` refused the previous layer's output."""
+    shapes = [tuple(t.shape) for t in tree_leaves(x) if isinstance(t, torch.Tensor)]
+    given = "the sample input" if k == 0 else f"the output of layer {k - 1} ({named[k - 1][0]!r})"
+    return (
+        f"profile_layers: layer {k} ({name!r}) failed on {given}, tensor shapes {shapes}: {err}. "
+        "The layers must be given in the order the model runs them, each taking the one before's "
+        "output (a layer needing other inputs, such as rotary embeddings or a mask, needs a wrapper)"
+    )
+
+
 def profile_layers(
     layers: Layers,
     sample_input: Any,
@@ -510,7 +521,10 @@ def profile_layers(
             module: nn.Module = _WithLoss(layer, loss_fn, target) if last and loss_fn is not None else layer
             # Bytes: one forward under counting hooks, graph dropped unused.
             with count_saved_bytes(exclude=held) as saved:
-                out = module(_fresh_input(x))
+                try:
+                    out = module(_fresh_input(x))
+                except (RuntimeError, TypeError, ValueError, IndexError) as err:
+                    raise PipelineError(_layer_failed(k, name, named, x, err)) from err
             # The output of this forward (its storage alive) is the next layer's input.
             output = module.output if isinstance(module, _WithLoss) else out
             del out

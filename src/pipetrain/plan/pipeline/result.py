@@ -51,6 +51,17 @@ class PipelinePlan(Plan):
     search_seconds: float
     notes: tuple[str, ...] = ()
 
+    def __repr__(self) -> str:
+        # A dataclass repr would print every layer and hand split (kilobytes): what matters, in a line.
+        limit = "none" if self.memory_limit is None else f"{self.memory_limit:.4g}"
+        peak = max(self.peak_memory_bytes.values(), default=0.0)
+        return (
+            f"PipelinePlan({self.schedule.name}, {self.num_ranks} ranks x {self.stages_per_rank} stage(s) "
+            f"({self.placement}), {self.num_microbatches} microbatches, stage sizes {self.stage_sizes}, "
+            f"recompute {sorted(self.recompute)}, makespan {self.makespan:.4g}, bubble {self.bubble:.1%}, "
+            f"peak {peak:.4g} bytes, limit {limit}; plan.summary() has the rest)"
+        )
+
     @property
     def stage_sizes(self) -> list[int]:
         """Layers per stage."""
