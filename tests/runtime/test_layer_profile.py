@@ -290,7 +290,9 @@ def test_layers_out_of_order_name_the_layer_and_what_it_was_given() -> None:
     from pipetrain.errors import PipelineError
 
     layers = [("up", nn.Linear(8, 16)), ("act", nn.ReLU()), ("down", nn.Linear(16, 8))]
-    with pytest.raises(PipelineError, match=r"layer 0 \('down'\) failed on the sample input, tensor shapes \[\(4, 8\)\]"):
+    with pytest.raises(
+        PipelineError, match=r"layer 0 \('down'\) failed on the sample input, tensor shapes \[\(4, 8\)\]"
+    ):
         profile_layers([layers[2], layers[1], layers[0]], torch.randn(4, 8))
     with pytest.raises(PipelineError, match=r"layer 2 \('up'\) failed on the output of layer 1 \('act'\)"):
         profile_layers([layers[0], layers[1], layers[0]], torch.randn(4, 8))
