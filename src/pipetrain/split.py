@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 _T = TypeVar("_T")
 
 __all__ = [
+    "CalledLayer",
     "LayerStage",
     "StageCut",
     "decide_once",
@@ -192,6 +193,27 @@ class _Path(nn.Module):
     """A container :class:`LayerStage` makes for one part of a dotted path (holds, never runs)."""
 
 
+class CalledLayer(nn.Module):
+    """A layer that needs more than the previous layer's output, with how its model calls it:
+    ``call(layer, x)`` (e.g. a decoder layer given rotary embeddings and a causal mask made from
+    ``x``, see :func:`pipetrain.hf.decoder_layers`). Stages register ``layer`` itself under the
+    layer's name and each of ``shared`` (modules the call uses, by their paths in the model) under
+    its path, so a stage's parameter names stay the model's."""
+
+    def __init__(
+        self, layer: nn.Module, call: Callable[[nn.Module, Any], Any], shared: Mapping[str, nn.Module] | None = None
+    ) -> None:
+        super().__init__()
+        self.layer = layer
+        self.shared = tuple((shared or {}).items())
+        for k, (_, module) in enumerate(self.shared):
+            self.add_module(f"shared_{k}", module)  # moved with the layer when used on its own
+        self.call = call
+
+    def forward(self, x: Any) -> Any:
+        return self.call(self.layer, x)
+
+
 class LayerStage(nn.Module):
     """Layers run one after another, registered under their paths in the whole model.
 
@@ -224,7 +246,13 @@ class LayerStage(nn.Module):
 
 
 def _register(root: nn.Module, path: str, layer: nn.Module) -> None:
-    """Register ``layer`` at dotted ``path`` under ``root``, making containers on the way."""
+    """Register ``layer`` at dotted ``path`` under ``root``, making containers on the way (a
+    :class:`CalledLayer`'s layer at ``path`` and what it shares at their own paths)."""
+    if isinstance(layer, CalledLayer):
+        _register(root, path, layer.layer)
+        for shared_path, module in layer.shared:
+            _register(root, shared_path, module)
+        return
     *parents, name = path.split(".")
     node = root
     for part in parents:
@@ -453,7 +481,8 @@ def stage_cut(module: nn.Module) -> StageCut | None:
 
 def _stage(named: Sequence[tuple[str, nn.Module]]) -> nn.Module:
     names = [name for name, _ in named]
-    if len(set(names)) == len(names) and not any("." in name for name in names):
+    plain = not any(isinstance(m, CalledLayer) for _, m in named)
+    if plain and len(set(names)) == len(names) and not any("." in name for name in names):
         return nn.Sequential(OrderedDict(named))
     return LayerStage(named)
 

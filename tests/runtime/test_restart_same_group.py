@@ -95,7 +95,8 @@ def test_a_refused_schedule_leaves_the_group_usable_and_a_new_group_follows_a_re
     results = run_ranks(_scenarios, 2, timeout=150)
     for rank, res in enumerate(results):
         msg, _ = res["bad everywhere"]
-        assert "PipelineError" in msg and "2 stages per rank" in msg, (rank, msg)
+        # a ScheduleError (a PipelineError, and a ValueError as torch raises for a bad layout)
+        assert "ScheduleError" in msg and "2 stages per rank" in msg, (rank, msg)
         msg, elapsed = res["bad on rank 1"]
         assert "rank 1: ScheduleZBVZeroBubble" in msg and elapsed < 10, (rank, msg)
         msg, _ = res["disagree"]
