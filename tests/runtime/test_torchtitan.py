@@ -487,3 +487,37 @@ def test_a_planned_cut_runs_through_torchtitans_own_split() -> None:
     assert len(fqns) == 4 and fqns[-1] == ["lm_head"]
     held = {name.split(".")[0] for r in reports for name in r["held"]}
     assert held == {"tok_embeddings", "layers", "norm", "lm_head"}
+
+
+def test_torchtitans_llama3_profiles_plans_and_trains_as_it_is() -> None:
+    """pipetrain.titan.decoder_layers: the model's own layers and names, each layer called as the
+    model calls it; the plan's stages train like the model (one process, every rank)."""
+    from pipetrain import LocalPipeline, profile_layers
+    from pipetrain.plan import plan_pipeline
+    from pipetrain.split import split_by_names
+    from pipetrain.titan import decoder_layers
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = _tiny_llama3().build()
+    model.init_states()
+    reference = copy.deepcopy(model)
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randint(0, VOCAB, (8, 12), generator=g), torch.randint(0, VOCAB, (8, 12), generator=g)
+    layers = decoder_layers(model)
+    assert [n for n, _ in layers] == ["tok_embeddings", "layers.0", "layers.1", "norm", "lm_head"]
+    plan = plan_pipeline(profile_layers(layers, x[:2], loss_fn=loss_fn, target=y[:2]), 2, 4, None, time_limit=1)
+    stages = split_by_names(layers, plan.stage_layers, recompute=plan.recompute)
+    assert sorted(k for s in stages for k in s.state_dict()) == sorted(model.state_dict())
+    losses: list[torch.Tensor] = []
+    LocalPipeline(stages, plan.schedule, loss_fn=loss_fn).step(x, target=y, losses=losses)
+    want = sum(loss_fn(reference(xs), ys) for xs, ys in zip(x.chunk(4), y.chunk(4), strict=True))
+    (want / 4).backward()
+    torch.testing.assert_close(torch.stack(losses).mean(), want.detach() / 4)
+    mine = dict(model.named_parameters())
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(mine[name].grad, p.grad, msg=lambda m, n=name: f"{n}: {m}")
