@@ -296,3 +296,27 @@ def test_the_runtime_suggests_a_schedule_class_too() -> None:
         get_schedule_class("ZBVZeroBuble")
     with pytest.raises(ValueError, match=r"did you mean 'ScheduleZBVZeroBubble'\?"):
         get_schedule_class("ScheduleZBVZeroBuble")
+
+
+@pytest.mark.parametrize("ext", ["json", "csv"])
+def test_a_layers_file_given_as_a_profile_points_at_plan_layers(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, ext: str
+) -> None:
+    from pipetrain.plan import LayerCost, write_layers
+
+    path = tmp_path / f"layers.{ext}"
+    write_layers(path, [LayerCost("a", f=1, i=1, w=1), LayerCost("b", f=1, i=1, w=1)])
+    code, _, err = run(capsys, "simulate", "1F1B", "--ranks", "2", "--microbatches", "4", "--from-profile", str(path))
+    assert code == 1 and "per-layer file" in err and "pipetrain plan --layers FILE" in err
+
+
+@pytest.mark.parametrize("limit", ["-5GiB", "-3"])
+def test_a_negative_memory_limit_is_refused_by_its_own_check(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, limit: str
+) -> None:
+    from pipetrain.plan import LayerCost, write_layers
+
+    path = tmp_path / "layers.json"
+    write_layers(path, [LayerCost("a", f=1, i=1, w=1), LayerCost("b", f=1, i=1, w=1)])
+    code, _, err = run(capsys, "plan", "-p", "2", "-m", "4", "--layers", str(path), "--memory-limit", limit)
+    assert code == 1 and ">= 0" in err and "expected one argument" not in err

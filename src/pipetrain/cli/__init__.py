@@ -55,9 +55,24 @@ def _silence_stdout() -> None:
     os.dup2(devnull, sys.stdout.fileno())
 
 
+_SIGNED = ("--memory-limit", "--comm", "--time-limit")
+"""Options whose value a user may write negative by mistake: ``--memory-limit -5GiB`` reaches the
+option's own check ("must be >= 0") instead of argparse's "expected one argument"."""
+
+
+def _join_signed(argv: Sequence[str]) -> list[str]:
+    out: list[str] = []
+    for token in argv:
+        if out and out[-1] in _SIGNED and token[:1] == "-" and token[1:2].isdigit():
+            out[-1] = f"{out[-1]}={token}"
+        else:
+            out.append(token)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
+    args, extra = parser.parse_known_args(_join_signed(sys.argv[1:] if argv is None else argv))
     if extra:  # the sub-command's usage, not the top level's, says what it takes
         _command_parser(parser, args.command).error(f"unrecognized arguments: {' '.join(extra)}")
     try:

@@ -149,6 +149,12 @@ def read_costs_file(path: str) -> Costs:
         raise ScheduleError(f"{flag} {path}: cannot read it ({exc.strerror})") from None
     except UnicodeDecodeError:
         raise ScheduleError(f"{flag} {path}: not a UTF-8 text file") from None
+    first = next((line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")), "")
+    if first[:1] in ("[", "{") or first.lower().startswith("name,"):
+        raise ScheduleError(
+            f"{flag} {path}: this is a per-layer file (what `pipetrain profile --layers-out` and "
+            "pipetrain.plan.write_layers write); give it to `pipetrain plan --layers FILE`, which plans the cut"
+        )
     text = ",".join(line.strip().rstrip(",") for line in lines if line.strip() and not line.lstrip().startswith("#"))
     if not any(item.partition("=")[0].strip().lower() == "f" for item in text.split(",")):
         raise ScheduleError(

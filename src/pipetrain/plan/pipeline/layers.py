@@ -236,6 +236,8 @@ def parse_bytes(value: str | float) -> float:
         raise ScheduleError(f"a byte size must be a number or text such as 80GiB, not {value!r}")
     if isinstance(value, int | float):
         return _number("byte size", "the value", value)
+    if str(value).strip().startswith("-") and _SIZE.match(str(value).strip()[1:]):
+        raise ScheduleError(f"a byte size must be >= 0, got {value!r}")
     match = _SIZE.match(str(value))
     if match is None:
         raise ScheduleError(f"cannot read {value!r} as bytes: give a number (80e9) or one with a unit (80GiB, 80GB)")
@@ -337,10 +339,11 @@ def _parse_csv(name: str, text: str) -> tuple[list[LayerCost], dict[str, Any]]:
 
 
 def _csv_row(name: str, k: int, row: Mapping[str | None, Any]) -> LayerCost:
+    # Layer k counted from 0, as in JSON files and in plans (not the file's row number).
     record: dict[str, Any] = {}
     for key, raw in row.items():
         if key is None:
-            raise ScheduleError(f"{name}: row {k + 1} has more cells than the header")
+            raise ScheduleError(f"{name}: layer {k} has more cells than the header")
         cell = (raw or "").strip()
         if key == "name" or cell == "":
             record[key] = cell
@@ -348,8 +351,8 @@ def _csv_row(name: str, k: int, row: Mapping[str | None, Any]) -> LayerCost:
         try:
             record[key] = float(cell)
         except ValueError:
-            raise ScheduleError(f"{name}: row {k + 1}: {key}={cell!r} is not a number") from None
-    return _layer_from(record, f"{name}: row {k + 1}")
+            raise ScheduleError(f"{name}: layer {k}: {key}={cell!r} is not a number") from None
+    return _layer_from(record, f"{name}: layer {k}")
 
 
 def _meta_value(raw: str) -> Any:
