@@ -238,25 +238,26 @@ class _NamedSchedule(PipelineScheduleRuntime):
             defer_reduce_grad_wait,
             max_outstanding_sends,
         )
+        # What the runtime is built from, kept while there is none yet (see _runtime_from).
+        pending: dict[str, Any] = dict(
+            stages=stage_list,
+            loss_fn=loss_fn,
+            scale_grads=scale_grads,
+            args_chunk_spec=args_chunk_spec,
+            kwargs_chunk_spec=kwargs_chunk_spec,
+            output_merge_spec=output_merge_spec,
+            backward_requires_autograd=backward_requires_autograd,
+            **options,
+        )
         if not self.schedule_name:
             # torch's CSV route: PipelineScheduleMulti(stages, n, loss_fn) then _load_csv(path).
-            self._pending: dict[str, Any] | None = dict(
-                stages=stage_list,
-                loss_fn=loss_fn,
-                scale_grads=scale_grads,
-                args_chunk_spec=args_chunk_spec,
-                kwargs_chunk_spec=kwargs_chunk_spec,
-                output_merge_spec=output_merge_spec,
-                backward_requires_autograd=backward_requires_autograd,
-                **options,
-            )
+            self._pending: dict[str, Any] | None = pending
             self.n_microbatches = n_microbatches
             return
         self._pending = None
         group = options.get("group", stage_list[0].group)
         if not dist.is_available() or not dist.is_initialized():
-            self._plan_only(stage_list, n_microbatches, loss_fn, scale_grads, options, backward_requires_autograd)
-            self._pending_specs = (args_chunk_spec, kwargs_chunk_spec, output_merge_spec)
+            self._plan_only(stage_list, n_microbatches, pending)
             return
         rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
         try:
@@ -282,15 +283,7 @@ class _NamedSchedule(PipelineScheduleRuntime):
             **options,
         )
 
-    def _plan_only(
-        self,
-        stage_list: list[PipelineStage],
-        n_microbatches: int,
-        loss_fn: LossFn | None,
-        scale_grads: bool,
-        options: dict[str, Any],
-        backward_requires_autograd: bool,
-    ) -> None:
+    def _plan_only(self, stage_list: list[PipelineStage], n_microbatches: int, pending: dict[str, Any]) -> None:
         """No process group yet: the order alone, from the stages' ``group_size`` (as torch builds
         it; its visualiser and test doubles read ``pipeline_order`` this way). The runtime is
         made at the first step, once a group exists."""
@@ -307,16 +300,18 @@ class _NamedSchedule(PipelineScheduleRuntime):
                 f"{name}: the stages say num_stages={stage_list[0].num_stages}, but {len(stage_list)} stage(s) "
                 f"per rank on {num_ranks} ranks make {schedule.num_stages}"
             )
-        self._pending = dict(
-            stages=stage_list,
-            loss_fn=loss_fn,
-            scale_grads=scale_grads,
-            backward_requires_autograd=backward_requires_autograd,
-            **options,
-        )
+        self._pending = pending
         self._waiting = schedule
         self._planned = schedule
         self.n_microbatches = n_microbatches
+
+    def _runtime_from(self, schedule: PlanSchedule) -> None:
+        """Build the runtime now, from what ``__init__`` kept in ``_pending``."""
+        args = dict(self._pending or {})
+        stages, loss_fn, scale_grads = args.pop("stages"), args.pop("loss_fn"), args.pop("scale_grads")
+        specs = args.pop("args_chunk_spec"), args.pop("kwargs_chunk_spec"), args.pop("output_merge_spec")
+        PipelineScheduleRuntime.__init__(self, stages, schedule, loss_fn, scale_grads, *specs, **args)
+        self._pending = None
 
     def _load_csv(self, filename: str, format: str = "compute_only") -> None:
         self.__dict__.pop("_waiting", None)
@@ -330,9 +325,8 @@ class _NamedSchedule(PipelineScheduleRuntime):
                 f"{filename} places {schedule.num_stages} stages on {schedule.num_ranks} ranks, but "
                 f"{type(self).__name__} runs one stage per rank"
             )
-        args = dict(pending)
-        stages = args.pop("stages")
-        group = args.get("group", stages[0].group)
+        stages = pending["stages"]
+        group = pending.get("group", stages[0].group)
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         held = sorted(st.stage_index for st in stages)
         if schedule.num_ranks != world:
@@ -344,10 +338,7 @@ class _NamedSchedule(PipelineScheduleRuntime):
             raise PipelineError(
                 f"rank {rank}: {filename} places stages {schedule.stages_of(rank)} on this rank, but it holds {held}"
             )
-        loss_fn, scale_grads = args.pop("loss_fn"), args.pop("scale_grads")
-        specs = args.pop("args_chunk_spec"), args.pop("kwargs_chunk_spec"), args.pop("output_merge_spec")
-        PipelineScheduleRuntime.__init__(self, stages, schedule, loss_fn, scale_grads, *specs, **args)
-        self._pending = None  # only now: a load that failed can be retried with another file
+        self._runtime_from(schedule)  # _pending cleared only now: a failed load can be retried with another file
 
     def __getattr__(self, name: str) -> Any:
         # Reached only for attributes that do not exist yet: those a loaded schedule would have.
@@ -367,11 +358,7 @@ class _NamedSchedule(PipelineScheduleRuntime):
         if self._pending is not None and waiting is not None:
             if not dist.is_available() or not dist.is_initialized():
                 raise PipelineError(f"{type(self).__name__} needs an initialised torch.distributed process group")
-            args = dict(self._pending)
-            stages, loss_fn, scale_grads = args.pop("stages"), args.pop("loss_fn"), args.pop("scale_grads")
-            specs = self.__dict__.pop("_pending_specs", (None, None, None))
-            PipelineScheduleRuntime.__init__(self, stages, waiting, loss_fn, scale_grads, *specs, **args)
-            self._pending = None
+            self._runtime_from(waiting)
             del self._waiting
         if self._pending is not None:
             raise PipelineError(
