@@ -1,5 +1,6 @@
-"""torch 2.13's private lowering passes and step simulator, under torch's names and with torch's
-outputs (``schedules._add_send_recv`` and friends), for code and tests that call them directly.
+"""torch 2.13's private lowering passes, step simulator and schedule checks, under torch's names
+and with torch's outputs (``schedules._add_send_recv`` and friends), for code and tests that call
+them directly.
 
 pipetrain lowers with its own passes (:mod:`pipetrain.plan.lower`: deadlock-checked, receives
 placed for the transport, see docs/semantics.md); these functions give what torch's give instead,
@@ -14,7 +15,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from pipetrain.plan import Action, ActionKind
+from pipetrain.plan import Action, ActionKind, ScheduleError
+from pipetrain.plan import Schedule as PlanSchedule
+from pipetrain.plan._text import align_columns
 from pipetrain.runtime.custom import CustomAction
 
 __all__ = [
@@ -23,10 +26,12 @@ __all__ = [
     "_add_unshard_reshard",
     "_batch_p2p",
     "_defer_recv_ops",
+    "_format_pipeline_order",
     "_merge_bw",
     "_requires_reduce_grad",
     "_simulate_comms_compute",
     "_sorted_batch_p2p",
+    "_validate_schedule",
 ]
 
 _K = ActionKind
@@ -303,3 +308,45 @@ def _sorted_batch_p2p(p2p_ops: Iterable[Any], desc: str | None = None) -> dict[i
     for op in p2p_ops:
         by_peer.setdefault(op.peer, []).append(op)
     return {peer: _batch_p2p(ops, desc) for peer, ops in sorted(by_peer.items())}
+
+
+def _format_pipeline_order(pipeline_order: dict[int, list[Any]], error_step_number: int | None = None) -> str:
+    """torch's debugging helper: a steps × ranks grid of ``pipeline_order`` (``{rank: [action or
+    None, ...]}``), the step ``error_step_number`` marked. Any order prints, sound or not."""
+    ranks = sorted(pipeline_order)
+    steps = max((len(pipeline_order[r]) for r in ranks), default=0)
+    label = len(str(max(steps - 1, 0)))
+    rows = [[""] + [f"Rank {r}" for r in ranks]]
+    for step in range(steps):
+        cells = [pipeline_order[r][step] if step < len(pipeline_order[r]) else None for r in ranks]
+        rows.append([f"Step {step:0{label}d}"] + ["" if a is None else str(a) for a in cells])
+    lines = align_columns(rows, " ")
+    if error_step_number is not None and 0 <= error_step_number < steps:
+        lines[error_step_number + 1] += "  <-- ERROR HERE"
+    return "\n".join(lines)
+
+
+def _validate_schedule(
+    actions: dict[int, list[Any]], pp_group_size: int, num_stages: int, num_microbatches: int
+) -> dict[int, int]:
+    """torch's check of a compute order, here pipetrain's (which also finds deadlocks): the
+    stage → rank mapping, or AssertionError (torch's type) with pipetrain's message and the grid."""
+    if len(actions) != pp_group_size or sorted(actions) != list(range(pp_group_size)):
+        raise AssertionError(f"the schedule has ranks {sorted(actions)}, expected 0..{pp_group_size - 1}")
+    try:
+        schedule = PlanSchedule(
+            {r: [None if a is None else Action.parse(str(a)) for a in row] for r, row in actions.items()},
+            num_stages=num_stages,
+            num_microbatches=num_microbatches,
+        )
+        schedule.validate()
+        rows = schedule.actions.values()
+        if not any(p.kind.is_backward for row in rows for a in row if a is not None for p in a.parts):
+            # torch's check is of a training order; pipetrain's schedules may be forward-only.
+            raise ScheduleError(
+                f"no stage has a backward: each of the {num_stages} stages needs B (or I and W) for each of "
+                f"the {num_microbatches} microbatches in a training schedule"
+            )
+    except ScheduleError as err:
+        raise AssertionError(f"{err}\n\nFull pipeline schedule:\n{_format_pipeline_order(actions)}") from None
+    return dict(schedule.stage_to_rank)

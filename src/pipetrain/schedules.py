@@ -24,16 +24,17 @@ from pipetrain._torch_lowering import (  # noqa: F401  (torch's private names, r
     _add_unshard_reshard,
     _batch_p2p,
     _defer_recv_ops,
+    _format_pipeline_order,
     _merge_bw,
     _requires_reduce_grad,
     _simulate_comms_compute,
     _sorted_batch_p2p,
+    _validate_schedule,
 )
 from pipetrain.errors import PipelineError
 from pipetrain.liveness import PipelineActivationLiveness, analyze_pipeline_activation_liveness
 from pipetrain.plan import Action, ActionKind, ScheduleError, build_schedule
 from pipetrain.plan import Schedule as PlanSchedule
-from pipetrain.plan._text import align_columns
 from pipetrain.plan.generators import ScheduleFamily, did_you_mean, family, schedule_names
 from pipetrain.plan.passes.fsdp import DEFAULT_MAX_UNSHARDED
 from pipetrain.runtime import LossFn, PipelineScheduleRuntime, announce_failure, read_torch_csv
@@ -92,48 +93,6 @@ _Action = CustomAction
 """torch's action type: pipetrain's Action, also readable as ``stage_index``, ``computation_type``, ``microbatch_index``."""
 _PipelineContext = PipelineContext
 """What a function registered with ``register_custom_function`` gets besides its action."""
-
-
-def _format_pipeline_order(pipeline_order: dict[int, list[Any]], error_step_number: int | None = None) -> str:
-    """torch's debugging helper: a steps × ranks grid of ``pipeline_order`` (``{rank: [action or
-    None, ...]}``), the step ``error_step_number`` marked. Any order prints, sound or not."""
-    ranks = sorted(pipeline_order)
-    steps = max((len(pipeline_order[r]) for r in ranks), default=0)
-    label = len(str(max(steps - 1, 0)))
-    rows = [[""] + [f"Rank {r}" for r in ranks]]
-    for step in range(steps):
-        cells = [pipeline_order[r][step] if step < len(pipeline_order[r]) else None for r in ranks]
-        rows.append([f"Step {step:0{label}d}"] + ["" if a is None else str(a) for a in cells])
-    lines = align_columns(rows, " ")
-    if error_step_number is not None and 0 <= error_step_number < steps:
-        lines[error_step_number + 1] += "  <-- ERROR HERE"
-    return "\n".join(lines)
-
-
-def _validate_schedule(
-    actions: dict[int, list[Any]], pp_group_size: int, num_stages: int, num_microbatches: int
-) -> dict[int, int]:
-    """torch's check of a compute order, here pipetrain's (which also finds deadlocks): the
-    stage → rank mapping, or AssertionError (torch's type) with pipetrain's message and the grid."""
-    if len(actions) != pp_group_size or sorted(actions) != list(range(pp_group_size)):
-        raise AssertionError(f"the schedule has ranks {sorted(actions)}, expected 0..{pp_group_size - 1}")
-    try:
-        schedule = PlanSchedule(
-            {r: [None if a is None else Action.parse(str(a)) for a in row] for r, row in actions.items()},
-            num_stages=num_stages,
-            num_microbatches=num_microbatches,
-        )
-        schedule.validate()
-        rows = schedule.actions.values()
-        if not any(p.kind.is_backward for row in rows for a in row if a is not None for p in a.parts):
-            # torch's check is of a training order; pipetrain's schedules may be forward-only.
-            raise ScheduleError(
-                f"no stage has a backward: each of the {num_stages} stages needs B (or I and W) for each of "
-                f"the {num_microbatches} microbatches in a training schedule"
-            )
-    except ScheduleError as err:
-        raise AssertionError(f"{err}\n\nFull pipeline schedule:\n{_format_pipeline_order(actions)}") from None
-    return dict(schedule.stage_to_rank)
 
 
 def _wait_batch_p2p(work: Any) -> None:
@@ -314,31 +273,59 @@ class _NamedSchedule(PipelineScheduleRuntime):
         self._pending = None
 
     def _load_csv(self, filename: str, format: str = "compute_only") -> None:
-        self.__dict__.pop("_waiting", None)
-        pending = self._pending
-        if pending is None:
+        if self._pending is None:
             super()._load_csv(filename, format)
             return
-        schedule = read_torch_csv(filename, format, self.n_microbatches)
+        self._adopt(read_torch_csv(filename, format, self.n_microbatches), filename)
+
+    def _adopt(self, schedule: PlanSchedule, source: str) -> None:
+        """Make the runtime for ``schedule`` (a file's, or a ``pipeline_order`` assigned), once it
+        places this rank's stages where they are; without a process group yet, keep it for the
+        first step."""
+        pending = self._pending or {}
+        stages = pending["stages"]
         if self.one_stage_per_rank and schedule.num_stages != schedule.num_ranks:
             raise PipelineError(
-                f"{filename} places {schedule.num_stages} stages on {schedule.num_ranks} ranks, but "
+                f"{source} places {schedule.num_stages} stages on {schedule.num_ranks} ranks, but "
                 f"{type(self).__name__} runs one stage per rank"
             )
-        stages = pending["stages"]
+        if not dist.is_available() or not dist.is_initialized():
+            self._waiting = self._planned = schedule
+            return
+        self.__dict__.pop("_waiting", None)
         group = pending.get("group", stages[0].group)
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         held = sorted(st.stage_index for st in stages)
         if schedule.num_ranks != world:
             raise PipelineError(
-                f"rank {rank}: {filename} is a schedule for {schedule.num_ranks} ranks, the group has {world}"
+                f"rank {rank}: {source} is a schedule for {schedule.num_ranks} ranks, the group has {world}"
             )
         if sorted(schedule.stages_of(rank)) != held:
             # Checked here, before the runtime exists, so a wrong file can be swapped for the right one.
             raise PipelineError(
-                f"rank {rank}: {filename} places stages {schedule.stages_of(rank)} on this rank, but it holds {held}"
+                f"rank {rank}: {source} places stages {schedule.stages_of(rank)} on this rank, but it holds {held}"
             )
-        self._runtime_from(schedule)  # _pending cleared only now: a failed load can be retried with another file
+        try:
+            self._runtime_from(schedule)  # _pending cleared only now: a failed load can be retried with another file
+        except PipelineError as err:
+            err.args = (f"{source}: {err}",)  # (its type kept: a ScheduleError stays one)
+            raise
+
+    @property
+    def pipeline_order(self) -> dict[int, list[Action | None]]:
+        """Every rank's compute actions, step by step (torch's attribute; ``None`` is idle).
+        Assignable, as in torch: a custom schedule class sets its compute-only order here
+        (validated and lowered as a loaded CSV file is)."""
+        return {r: list(a) for r, a in self._planned.actions.items()}
+
+    @pipeline_order.setter
+    def pipeline_order(self, order: dict[int, list[Any]]) -> None:
+        rows = {r: [None if a is None else Action.parse(str(a)) for a in row] for r, row in order.items()}
+        schedule = PlanSchedule(rows, num_microbatches=self.n_microbatches)
+        if self._pending is not None:
+            self._adopt(schedule, "pipeline_order")
+        else:
+            self._use_schedule(schedule, "pipeline_order")
 
     def __getattr__(self, name: str) -> Any:
         # Reached only for attributes that do not exist yet: those a loaded schedule would have.
