@@ -12,7 +12,8 @@ into 4 gives 3, 3, 2, 2); 0-dim tensors and non-tensor values are given whole to
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+import operator
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,7 +71,27 @@ class _Replicate:
 
 REPLICATE = _Replicate()
 
-_DEFAULT = TensorChunkSpec(0)
+
+@dataclass(frozen=True)
+class _CustomReducer:
+    """torch's merge spec for a value reduced over microbatches (a loss summed, say) instead of
+    concatenated: ``reduce_fn(... reduce_fn(init_value, v0) ..., v_last)``."""
+
+    init_value: Any
+    reduce_fn: Callable[[Any, Any], Any]
+
+
+class _LossReducer(_CustomReducer):
+    """torch's name for a reducer of losses."""
+
+
+sum_reducer = _LossReducer(torch.tensor(0.0), operator.add)
+"""Sums a value over microbatches (torch's ``sum_reducer``): an ``output_merge_spec`` leaf."""
+
+DEFAULT_CHUNK_DIM = 0
+"""The dimension inputs are split along when no chunk spec says otherwise (the batch)."""
+
+_DEFAULT = TensorChunkSpec(DEFAULT_CHUNK_DIM)
 _Spec = Any  # TensorChunkSpec | _Replicate | a reducer (merge only)
 
 

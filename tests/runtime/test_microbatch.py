@@ -178,3 +178,18 @@ def test_batch_smaller_than_microbatches_names_argument_and_sizes() -> None:
 def test_clear_errors(call: Any, message: str) -> None:
     with pytest.raises(PipelineError, match=message):
         call()
+
+
+def test_torchs_reducers_merge_by_reducing() -> None:
+    """torch's ``sum_reducer`` (and ``_CustomReducer``) in an output merge spec: reduced, not concatenated."""
+    import operator
+
+    from pipetrain.microbatch import DEFAULT_CHUNK_DIM, _CustomReducer, merge_chunks, sum_reducer
+
+    chunks = [
+        {"loss": torch.tensor(1.0), "out": torch.ones(2, 3)},
+        {"loss": torch.tensor(2.5), "out": torch.ones(1, 3)},
+    ]
+    merged = merge_chunks(chunks, {"loss": sum_reducer, "out": None})
+    assert merged["loss"].item() == 3.5 and merged["out"].shape == (3, 3) and DEFAULT_CHUNK_DIM == 0
+    assert merge_chunks([2, 3, 4], _CustomReducer(1, operator.mul)) == 24
