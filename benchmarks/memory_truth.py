@@ -13,6 +13,10 @@ measured by :func:`pipetrain.memory.stage_bytes`, each stage's transient by
                                                       # across ranks with --ranks 2 and 2 GPUs)
     python benchmarks/memory_truth.py --train         # pipetrain train's own report: measured beside
                                                       # promised per rank, bpe and small models
+    python benchmarks/memory_truth.py --family mlp    # issue 37: every byte cost from stage_bytes
+                                                      # (the first stage's as one), Costs(f=1, i=1,
+                                                      # w=1, comm=0.05): GPipe, 1F1B, ZBH1,
+                                                      # Interleaved1F1B, ZB-V
 
 Exits 1 when a rank's measured peak exceeds its promise by more than three messages (one action's
 temporaries), so ``gpu_check.py`` can run it as a check. ``--train`` runs ``pipetrain train`` (2
@@ -49,6 +53,10 @@ SCHEDULES = [
     ("DualPipeV", 2),
     ("auto", 2),
 ]
+# --family mlp (issue 37): the same stages, priced as a user would from stage_bytes alone,
+# Costs(f=1, i=1, w=1, comm=0.05, **stage_bytes(...)): its transient too, no layer profile.
+SAMPLE_EVERY: float | None = None  # seconds between the meter thread's readings; None: measure_step's
+MLP_SCHEDULES = [("GPipe", 1), ("1F1B", 1), ("ZBH1", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2)]
 
 
 def _stage() -> nn.Module:
@@ -59,10 +67,12 @@ def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return ((out - target) ** 2).mean()
 
 
-def _one(rank: int, world: int, name: str, v: int, device: torch.device, keep: bool) -> tuple[int, float, float]:
+def _one(
+    rank: int, world: int, name: str, v: int, device: torch.device, keep: bool, family: str = "profile"
+) -> tuple[int, float, float]:
     """(measured, promised, two messages) for this rank under schedule ``name``."""
     from pipetrain import PipelineScheduleRuntime, PipelineStage
-    from pipetrain.memory import measure_step, stage_bytes
+    from pipetrain.memory import MemoryMeter, measure_step, stage_bytes
     from pipetrain.plan import Costs, auto_schedule, build_schedule, simulate
 
     torch.manual_seed(0)
@@ -84,11 +94,26 @@ def _one(rank: int, world: int, name: str, v: int, device: torch.device, keep: b
             kwargs.update(target=y, losses=[])
         if world > 1:
             dist.barrier()
-        measured = measure_step(runtime, *((x,) if plan.stage_to_rank[0] == rank else ()), **kwargs).peak_bytes
+        args = (x,) if plan.stage_to_rank[0] == rank else ()
+        if SAMPLE_EVERY is None:
+            measured = measure_step(runtime, *args, **kwargs).peak_bytes
+        else:  # measure_step's meter, its thread reading more often
+            with MemoryMeter(device, interval=SAMPLE_EVERY).attached(runtime) as meter:
+                runtime.step(*args, **kwargs)
+            measured = meter.peak_bytes
     example = torch.randn(ROWS, WIDTH, device=device)
     sizes = [stage_bytes(m, example, device=device) for m in modules[:-1]]
     sizes.append(stage_bytes(modules[-1], example, loss_fn=_mse, target=y[:ROWS], device=device))
     keys = ("activation_bytes", "weight_grad_bytes", "message_bytes")
+    if family == "mlp":  # every byte cost from stage_bytes, the first stage's measured as one
+        try:
+            sizes[0] = stage_bytes(modules[0], example, device=device, first=True)
+        except TypeError:  # a pipetrain from before issue 37 (no ``first``): measured as any stage
+            pass
+        bytes_ = {k: [s[k] for s in sizes] for k in sizes[0]}
+        mlp = simulate(runtime.schedule, Costs(f=1, i=1, w=1, comm=0.05, **bytes_), keep_outputs=keep)
+        assert mlp.peak_memory_bytes is not None
+        return measured, mlp.peak_memory_bytes[rank], 3.0 * max(s["message_bytes"] for s in sizes)
     transient = [_workspace(m, example, None) for m in modules[:-1]]
     transient.append(_workspace(modules[-1], example, y[:ROWS]))
     costs = Costs(f=1, b=2, comm=0.05, transient_bytes=transient, **{k: [s[k] for s in sizes] for k in keys})
@@ -107,7 +132,11 @@ def _workspace(module: nn.Module, example: torch.Tensor, target: torch.Tensor | 
     return Profile(layers).workspace(0, len(layers))
 
 
-def _rank(rank: int, world: int, port: int, device_type: str, keep: bool, results: Any) -> None:
+def _rank(
+    rank: int, world: int, port: int, device_type: str, keep: bool, family: str, every: float | None, results: Any
+) -> None:
+    global SAMPLE_EVERY
+    SAMPLE_EVERY = every
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
@@ -117,7 +146,8 @@ def _rank(rank: int, world: int, port: int, device_type: str, keep: bool, result
     dist.init_process_group(
         backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=300)
     )
-    rows = [(name, *_one(rank, world, name, v, device, keep)) for name, v in SCHEDULES]
+    cases = MLP_SCHEDULES if family == "mlp" else SCHEDULES
+    rows = [(name, *_one(rank, world, name, v, device, keep, family)) for name, v in cases]
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, rows)
     if rank == 0:
@@ -126,14 +156,19 @@ def _rank(rank: int, world: int, port: int, device_type: str, keep: bool, result
     dist.destroy_process_group()
 
 
-def measure(device_type: str = "cpu", world: int = 2, keep: bool = False) -> list[list[tuple[str, int, float, float]]]:
+def measure(
+    device_type: str = "cpu", world: int = 2, keep: bool = False, family: str = "profile", every: float | None = None
+) -> list[list[tuple[str, int, float, float]]]:
     """Per rank, per schedule: (name, measured, promised, tolerance) bytes."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     results: Any = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, device_type, keep, results)) for r in range(world)]
+    procs = [
+        ctx.Process(target=_rank, args=(r, world, port, device_type, keep, family, every, results))
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     rows: list[list[tuple[str, int, float, float]]] = results.get()
@@ -204,6 +239,18 @@ def main() -> int:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--ranks", type=int, default=None, help="default: 2 on the CPU, 1 on a GPU")
     parser.add_argument("--return-outputs", action="store_true")
+    parser.add_argument(
+        "--family",
+        default="profile",
+        choices=["profile", "mlp"],
+        help="mlp: costs from stage_bytes alone, Costs(f=1, i=1, w=1, comm=0.05) (issue 37)",
+    )
+    parser.add_argument(
+        "--sample-every",
+        type=float,
+        default=None,
+        help="seconds between the meter thread's CPU readings (default measure_step's 0.0005; 0: continuously)",
+    )
     parser.add_argument("--train", action="store_true", help="pipetrain train's measured and promised bytes instead")
     args = parser.parse_args()
     if args.train:
@@ -213,7 +260,7 @@ def main() -> int:
     if args.device == "cuda" and torch.cuda.device_count() < world:
         print(f"needs {world} GPUs, {torch.cuda.device_count()} visible", file=sys.stderr)
         return 2
-    table, ok = report(measure(args.device, world, args.return_outputs))
+    table, ok = report(measure(args.device, world, args.return_outputs, args.family, args.sample_every))
     print(table)
     print("every rank within its promise + three messages" if ok else "a rank exceeded its promise")
     return 0 if ok else 1

@@ -12,8 +12,8 @@ can be put side by side:
 
 ``measure_step(schedule, *args, **kwargs)`` runs one ``step`` and returns its output with the
 peak bytes above those allocated when it began; :func:`stage_bytes` measures the per-stage byte
-costs (activations, what a split backward keeps for W, the output message) that
-:class:`~pipetrain.plan.Costs` takes, the same way.
+costs (activations, what a split backward keeps for W, the output message, an action's
+transient) that :class:`~pipetrain.plan.Costs` takes, the same way.
 """
 
 from __future__ import annotations
@@ -193,37 +193,88 @@ def stage_bytes(
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     target: Any = None,
     device: torch.device | str = "cpu",
+    first: bool = False,
 ) -> dict[str, int]:
     """Bytes one microbatch of ``example`` makes a stage running ``module`` hold, measured by the
-    allocator: ``activation_bytes`` (what its forward leaves allocated, its output included; with
-    ``loss_fn`` the stage is a last stage and what the loss keeps counts too), ``weight_grad_bytes``
-    (what stays from the forward's start once its input-gradient backward ran, until W: W's
-    inputs and output gradients) and ``message_bytes`` (its output). The keys are
-    :class:`~pipetrain.plan.Costs`' fields. The module's gradients are restored."""
+    allocator as the runtime runs the stage; the keys are :class:`~pipetrain.plan.Costs`' fields:
+
+    - ``activation_bytes``: what its forward leaves allocated, its output included (with
+      ``loss_fn`` the stage is a last stage and what the loss keeps counts too);
+    - ``weight_grad_bytes``: what stays from the forward's start once its input-gradient backward
+      (I) ran, until W: W's inputs and output gradients. ``first``: the pipeline's first stage,
+      whose input (the step's data, or any input that is not floating point) takes no gradient:
+      its I has nothing to compute and W runs the whole backward, so it holds the activations and
+      the output gradient it was given;
+    - ``message_bytes``: its output;
+    - ``transient_bytes``: the most one of its actions (F with the loss, I, W) allocates beyond
+      what is held before and after it, freed by its end (the model adds the largest of a rank's
+      stages to its peak).
+
+    Held bytes are growth: what one and then three microbatches held together make the allocator
+    hand out, per microbatch (a single microbatch's reading misses the small blocks the allocator
+    reuses, about 3 % of a Linear + Tanh stage's activations, and a process's first backward's
+    one-off allocations, which doubled it), after one microbatch run whole to warm up. The input
+    is not counted: on a first stage it is the caller's data, elsewhere the received message,
+    which the memory model holds as a buffer. The module's gradients are restored."""
+    from pipetrain.layer_profile import _Workspace
     from pipetrain.stage import PipelineStage
 
     device = torch.device(device)
-    stage = PipelineStage(module, 2 if loss_fn is not None else 1, 3, device)
+    first = first or not example.is_floating_point()
+    index, count = (0 if first else 1, 3) if loss_fn is None else ((0, 1) if first else (2, 3))
     grads = {p: p.grad for p in module.parameters()}
     for p in grads:  # gradients are static memory: made before the measurement, not counted in it
         if p.requires_grad:
             p.grad = torch.zeros_like(p)
-    x = example.detach().to(device).requires_grad_()
-    with torch.enable_grad():
-        before = allocated_bytes(device)
-        out = stage.forward_one_chunk(0, (x,), {})
-        if not isinstance(out, torch.Tensor):
-            raise PipelineError("stage_bytes measures a module whose output is one tensor")
-        loss = loss_fn(out, target) if loss_fn is not None else None
-        activation = allocated_bytes(device) - before
-        message = out.untyped_storage().nbytes()
-        if loss is not None:
-            result = stage.backward_one_chunk(0, loss=loss, full=False)
-        else:
-            result = stage.backward_one_chunk(0, grad_outputs=[torch.ones_like(out)], full=False)
-        del result, out, loss
-        weight_grad = allocated_bytes(device) - before
-        stage.backward_weight_one_chunk(0)
-    for p, g in grads.items():
-        p.grad = g
-    return {"activation_bytes": activation, "weight_grad_bytes": weight_grad, "message_bytes": message}
+    workspace = _Workspace(device)
+
+    def run(k: int, timed: bool = False) -> tuple[int, int, int]:
+        """(held after k forwards, held after their I, the output's bytes)."""
+        stage = PipelineStage(module, index, count, device)
+        xs = [example.detach().to(device) for _ in range(k)]
+        xs = xs if first else [x.clone().requires_grad_() for x in xs]
+
+        def call(fn: Callable[..., Any], *args: Any) -> Any:
+            return workspace.run(fn, *args) if timed else fn(*args)
+
+        def forward(mb: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+            out = stage.forward_one_chunk(mb, (x,), {})
+            if not isinstance(out, torch.Tensor):
+                raise PipelineError("stage_bytes measures a module whose output is one tensor")
+            return out, (loss_fn(out, target) if loss_fn is not None else None)
+
+        def backward(mb: int, grad: torch.Tensor | None, loss: torch.Tensor | None) -> None:
+            if loss is not None:
+                stage.backward_one_chunk(mb, loss=loss, full=False)
+            else:
+                stage.backward_one_chunk(mb, grad_outputs=[grad], full=False)
+
+        with torch.enable_grad():
+            before = allocated_bytes(device)
+            made = [call(forward, mb, x) for mb, x in enumerate(xs)]
+            held = allocated_bytes(device) - before
+            message = made[0][0].untyped_storage().nbytes()
+            # The output gradient arrives before I (a message): not I's workspace; held after it
+            # only where W keeps it (a first stage's).
+            given = [None if loss is not None else torch.ones_like(out) for out, loss in made]
+            for mb, ((_, loss), grad) in enumerate(zip(made, given, strict=True)):
+                call(backward, mb, grad, loss)
+            del made, given, loss, grad
+            kept = allocated_bytes(device) - before
+            for mb in range(k):
+                call(stage.backward_weight_one_chunk, mb)
+        return held, kept, message
+
+    try:
+        run(1)  # warm up: a process's first forward and backward allocate for good
+        run(1, timed=True)
+        one, three = run(1), run(3)
+    finally:
+        for p, g in grads.items():
+            p.grad = g
+    return {
+        "activation_bytes": max(0, (three[0] - one[0]) // 2),
+        "weight_grad_bytes": max(0, (three[1] - one[1]) // 2),
+        "message_bytes": one[2],
+        "transient_bytes": int(workspace.bytes or 0),
+    }

@@ -448,3 +448,17 @@ def test_one_microbatch_is_not_plural() -> None:
 
     title = simulate(build_schedule("1F1B", 1, 1), Costs()).title
     assert "1 rank, 1 stage, 1 microbatch |" in title
+
+
+def test_a_backward_leaves_its_gradient_after_freeing_what_it_read() -> None:
+    """What an I or B leaves at its end counts after what it frees there (issue 37): 1F1B's last
+    rank holds one activation and two received inputs, never the gradient its B made on top of
+    the activation that B freed (130 before); ZBH1's first rank, what I keeps for W likewise."""
+    s = build_schedule("1F1B", 2, 4).lower()
+    assert simulate(s, Costs(f=1, b=2, activation_bytes=100.0, message_bytes=10.0)).peak_memory_bytes == {
+        0: 230.0,
+        1: 120.0,
+    }
+    z = build_schedule("ZBH1", 2, 4).lower()
+    costs = Costs(f=1, i=1, w=1, activation_bytes=100.0, weight_grad_bytes=150.0, message_bytes=10.0)
+    assert simulate(z, costs).peak_memory_bytes == {0: 260.0, 1: 340.0}

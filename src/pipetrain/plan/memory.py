@@ -35,6 +35,11 @@ __all__ = ["Cells", "Peaks", "peak_memory", "record_part"]
 
 _BYTE_COSTS = ("activation_bytes", "weight_grad_bytes", "message_bytes", "static_bytes", "transient_bytes")
 _LATE = 1 << 62  # event order of a delivery: after everything a rank starts at the same time
+# Event order offset of what an action leaves at its end (the input gradient it made, what an I
+# keeps for its W): after that action's own frees (the activation, the received gradient), before
+# the next action's changes (issue 37: a last stage's B counted its gradient on top of the
+# activations it had freed, 1F1B's last rank 537 KB promised where 471 KB is held).
+_MADE = 0.25
 Event = tuple[int, Action, float, float, int]  # (rank, action, start, end, predecessor)
 Change = tuple[float, float, int, int, float]  # (time, event order, 0 alloc | 1 free, count delta, bytes delta)
 Key = tuple[int, int, int]  # a message's SEND or RECV: (kind code, stage, microbatch)
@@ -81,7 +86,10 @@ def peak_memory(
 
     Changes at one time sort by the event that makes them (the rank's program order), then an
     action's allocation before its own free: with positive durations that is "frees first", and
-    with zero durations a forward still holds its activation until its backward. A delivery frees
+    with zero durations a forward still holds its activation until its backward. What an action
+    leaves at its end (the gradient an I or B makes, what an I keeps for W) comes after that
+    action's frees: the runtime frees the activations as its backward goes, and what the action
+    holds beyond before and after is its transient. A delivery frees
     after everything else at its time (the runtime sees a send complete only at its next action).
     """
     n_st = len(rank_of)
@@ -101,7 +109,7 @@ def peak_memory(
         i_end = cells.grad_end[idx]
         if wgrad is not None and cells.split[idx] and i_end is not None:
             # From the I on, the microbatch holds what its W reads instead.
-            per_rank[r].append((i_end[1], i_end[0], 0, 0, wgrad[s] - b))
+            per_rank[r].append((i_end[1], i_end[0] + _MADE, 0, 0, wgrad[s] - b))
             b = wgrad[s]
         per_rank[r].append((freed, cells.free_ev[idx], 1, -1, -b))
     in_bytes = any(getattr(costs, name) is not None for name in _BYTE_COSTS)
@@ -190,13 +198,14 @@ def _message_buffers(
             end_here = None if g_here is None else (g_here[1], g_here[0])
             if r0 == r1:  # a gradient handed over in memory
                 if g_up is not None:
-                    buffers.hold(r0, b, (g_up[1], g_up[0]), end_here)
+                    buffers.hold(r0, b, (g_up[1], g_up[0] + _MADE), end_here)
                 continue
             freed = cells.free_at[nxt]
             consumer = None if freed is None else (freed, cells.free_ev[nxt])
             buffers.message((C_SEND_F, s, m), (C_RECV_F, s + 1, m), r0, r1, b, (f[1], f[0]), consumer)
             if g_up is not None:
-                buffers.message((C_SEND_B, s + 1, m), (C_RECV_B, s, m), r1, r0, b, (g_up[1], g_up[0]), end_here)
+                made = (g_up[1], g_up[0] + _MADE)
+                buffers.message((C_SEND_B, s + 1, m), (C_RECV_B, s, m), r1, r0, b, made, end_here)
 
 
 def _sure_delivered(
