@@ -226,7 +226,7 @@ def test_parse_bytes(text: str | int, value: float) -> None:
     [
         ("80G", "say 80GiB or 80GB"),
         ("lots", "cannot read 'lots'"),
-        ("-1GB", "cannot read"),
+        ("-1GB", "must be >= 0"),
         ("2 parsecs", "unknown unit"),
     ],
 )
