@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import sys
+import weakref
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
+from types import FunctionType
 from typing import Any
 
 import torch.distributed as dist
@@ -33,6 +36,28 @@ from pipetrain.runtime.transport.wire import RecvHandle, RecvItem, SendItem
 from pipetrain.stage import PipelineStage
 
 __all__ = ["PipelineScheduleRuntime"]
+
+
+def _release_world_defaults() -> None:
+    """Make ``torch.distributed.nn.functional`` hold no process group, as if imported before
+    ``init_process_group``.
+
+    Its functions take ``group=group.WORLD`` as a default, evaluated when the module is imported:
+    imported after ``init_process_group`` (``torch.distributed.fsdp`` imports it, and the check for
+    FSDP stages imports that when a schedule is built), they hold the default group for the life of
+    the process. ``dist.destroy_process_group()`` then cannot end the group: it and its gloo threads
+    live into interpreter finalization, where a gloo worker thread that drops the last reference to a
+    collective's tensor needs the GIL and aborts the process ("terminate called without an active
+    exception", issue 37). Imported before ``init_process_group`` the default is None, which those
+    functions read as the default group when called: so None replaces any group held there.
+    """
+    module = sys.modules.get("torch.distributed.nn.functional")
+    if module is None:
+        return
+    for fn in list(vars(module).values()):
+        defaults = getattr(fn, "__defaults__", None) if isinstance(fn, FunctionType) else None
+        if defaults and any(isinstance(v, dist.ProcessGroup) for v in defaults):
+            fn.__defaults__ = tuple(None if isinstance(v, dist.ProcessGroup) else v for v in defaults)
 
 
 class _DistComm:
@@ -106,7 +131,10 @@ class PipelineScheduleRuntime(StepDriver):
         # Data-parallel stages: one gradient reduction per step, FSDP gathers planned by the schedule.
         self._lower_options = dict(default_lowering(self._stage_list) if lower_options is None else lower_options)
         self._failure = failure_channel(self.group, self.rank)
-        self._group_obj = self.group if self.group is not None else dist.group.WORLD
+        # Held weakly, as the transport holds it: dist.destroy_process_group() ends the group (and its
+        # gloo threads) at once, even while this schedule lives on (see DistTransport._pg).
+        self._group_ref = weakref.ref(self.group if self.group is not None else dist.group.WORLD)
+        _release_world_defaults()
         story = DEAD_GROUPS.get(self._group_obj)
         if story is not None:
             self._refuse(f"rank {self.rank}: {dead_group(story)}")
@@ -149,6 +177,11 @@ class PipelineScheduleRuntime(StepDriver):
         """On a GPU, time each compute action of the next steps on the device (CUDA events) instead of
         its launch on the host, for ``last_timeline``: costs a synchronisation at each step's start and
         one when the timeline is read (see :mod:`pipetrain.runtime.device_timing`). No effect on the CPU."""
+
+    @property
+    def _group_obj(self) -> Any:
+        """The pipeline's process group (None once destroyed)."""
+        return self._group_ref()
 
     @property
     def _held(self) -> list[int]:
@@ -287,7 +320,8 @@ class PipelineScheduleRuntime(StepDriver):
         if self._order_settled:
             return prepared
         self._order_settled = True
-        if not self._planned.planned or prepared.agreed or DEAD_GROUPS.get(self._group_obj) is not None:
+        group = self._group_obj
+        if not self._planned.planned or prepared.agreed or group is None or DEAD_GROUPS.get(group) is not None:
             return prepared
         try:
             theirs = rank0_order(self._failure, self._planned, self.rank, self.timeout, self.poll_interval, self._where)
@@ -303,7 +337,13 @@ class PipelineScheduleRuntime(StepDriver):
     @contextlib.contextmanager
     def _guard(self, prepared: Prepared, step_index: int) -> Iterator[None]:
         """Refuse a dead group; agree on a new schedule; turn any failure into every rank's error."""
-        story = DEAD_GROUPS.get(self._group_obj)
+        group = self._group_obj
+        if group is None:
+            raise PipelineError(
+                f"rank {self.rank}: this schedule cannot run: its process group was destroyed "
+                "(dist.destroy_process_group()); build the stages and the schedule on a live group"
+            )
+        story = DEAD_GROUPS.get(group)
         if story is not None:
             raise PipelineError(f"rank {self.rank}: this schedule cannot run: {dead_group(story)}")
         executor = self._executor
@@ -373,7 +413,9 @@ class PipelineScheduleRuntime(StepDriver):
             message = f"{where}: {type(exc).__name__}: {exc}"
             if executor.action is not None and executor.action.kind.is_compute:
                 message += self._transport.input_note(executor.action, self.schedule.stage_to_rank, self.rank)
-        DEAD_GROUPS.setdefault(self._group_obj, message)
+        group = self._group_obj
+        if group is not None:
+            DEAD_GROUPS.setdefault(group, message)
         if not remote:
             self._report(message if message.startswith("rank ") else f"rank {self.rank}: {message}")
         # Wake whoever waits for a message of ours (after the report, so they can read it).

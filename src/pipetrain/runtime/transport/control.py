@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -39,7 +40,9 @@ def control_default() -> bool:
     return os.environ.get("PIPETRAIN_CONTROL_PLANE", "") != "0"
 
 
-_PRIVATE: dict[Any, Any] = {}  # data group -> the gloo group made for its control plane
+# data group -> the gloo group made for its control plane: it lives as long as its data group, no
+# longer (a transport holds both weakly), so dist.destroy_process_group() ends both.
+_PRIVATE: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
 def control_group(group: Any, backend: str, timeout: float = 1800.0) -> Any:

@@ -41,6 +41,7 @@ and failures are here.
 from __future__ import annotations
 
 import os
+import weakref
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
@@ -127,27 +128,65 @@ class DistTransport:
         self.single_tag = _single_tag_default(backend) if single_tag is None else single_tag
         self._tag_new = _TAG_STEADY if self.single_tag else _TAG_NEW
         # gloo runs each operation on its own; posting directly skips per-call Python overhead.
-        self._pg: Any = group_obj if backend == "gloo" else None
+        # Both groups are held weakly (see _pg).
+        self._pg_ref: weakref.ref[Any] | None = None
+        self._ctrl_ref: weakref.ref[Any] | None = None
+        self._pg = group_obj if backend == "gloo" else None
         # Order-only matching: headers and layouts travel on a CPU channel (see transport/control.py).
         use_control = self.single_tag and (control_default() if control is None else control)
-        self._ctrl_pg: Any = control_group(group_obj, backend) if use_control else None
+        self._ctrl_pg = control_group(group_obj, backend) if use_control else None
         self._sender = Sender(device, use_control, self._tag_new)
         # Device data: a receive is waited for on the consuming stream, sends at the step's end on
         # the stream too (no host wait). Forced on the CPU by tests (gloo's wait then blocks).
         self.stream_waits = device.type != "cpu" if stream_waits is None else stream_waits
 
     @property
+    def _pg(self) -> Any:
+        """The gloo group operations are posted on directly (None: posted as batches, or the group
+        is gone).
+
+        Held weakly, as the control group: a transport never keeps a process group alive.
+        ``dist.destroy_process_group()`` then ends the group and joins its gloo threads, as without
+        pipetrain, even while a schedule object lives on (a module global, say). A group kept
+        alive past it lives into interpreter finalization, where a gloo worker thread that drops
+        the last reference to a collective's tensor (``clip_grad_norm_``'s, say) needs the GIL
+        and aborts the process ("terminate called without an active exception", issue 37).
+        """
+        ref = self._pg_ref
+        return None if ref is None else ref()
+
+    @_pg.setter
+    def _pg(self, pg: Any) -> None:
+        self._pg_ref = None if pg is None else weakref.ref(pg)
+
+    @property
+    def _ctrl_pg(self) -> Any:
+        """The control plane's group (None: no control plane, or the group is gone); held weakly."""
+        ref = self._ctrl_ref
+        return None if ref is None else ref()
+
+    @_ctrl_pg.setter
+    def _ctrl_pg(self, pg: Any) -> None:
+        self._ctrl_ref = None if pg is None else weakref.ref(pg)
+
+    @property
     def control(self) -> bool:
         """Whether headers and layouts travel on the CPU control plane."""
-        return self._ctrl_pg is not None
+        return self._ctrl_ref is not None
 
     def _launch(self, ops: list[Op], control: bool = False) -> list[Any]:
         """Post operations, one work per operation: straight on a gloo group (no Python wrappers)
         or the control group, else as one batch (whose single coalesced work then stands for each)."""
         if not ops:
             return []
+        ref = self._ctrl_ref if control else self._pg_ref
+        pg = None if ref is None else ref()
+        if ref is not None and pg is None:
+            raise PipelineError(
+                f"{self.waiter.where()}: the pipeline's process group was destroyed (dist.destroy_process_group()); "
+                "build the stages and the schedule on a live group"
+            )
         try:
-            pg = self._ctrl_pg if control else self._pg
             if pg is not None:
                 return [
                     pg.send([t], peer, tag) if is_send else pg.recv([t], peer, tag) for is_send, t, peer, tag in ops
@@ -237,7 +276,7 @@ class DistTransport:
         handle = RecvHandle(item.key, item.peer, item.what, flat=flat, cached=cached)
         handle.works = [len(ops)]  # replaced by the Work objects once posted
         ops.append((False, flat, item.peer, _TAG_STEADY))
-        if self._ctrl_pg is not None:
+        if self._ctrl_ref is not None:
             handle.ctrl = torch.empty(_HEADER, dtype=torch.int64)
             handle.ctrl_works = [len(ctrl)]
             ctrl.append((False, handle.ctrl, item.peer, _TAG_CONTROL))
