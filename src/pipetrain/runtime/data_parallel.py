@@ -8,6 +8,7 @@ otherwise do, so that gradients accumulate over the microbatches and are reduced
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,11 +24,15 @@ __all__ = ["default_lowering", "dp_kind", "hold_grad_sync", "reduce_grad", "resh
 
 
 def dp_kind(module: torch.nn.Module) -> str | None:
-    """ "fsdp" for an FSDP2 (fully_shard) module, "ddp" for DistributedDataParallel, else None."""
-    from torch.distributed.fsdp import FSDPModule
+    """ "fsdp" for an FSDP2 (fully_shard) module, "ddp" for DistributedDataParallel, else None.
+
+    FSDP is looked up, not imported: a module can be an FSDPModule only once torch.distributed.fsdp
+    is imported, and importing it after init_process_group pins the default group in
+    torch.distributed.nn.functional's defaults (gloo's threads then outlive destroy_process_group)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    if isinstance(module, FSDPModule):
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is not None and isinstance(module, fsdp.FSDPModule):
         return "fsdp"
     if isinstance(module, DistributedDataParallel):
         return "ddp"
