@@ -260,9 +260,8 @@ class _NamedSchedule(PipelineScheduleRuntime):
                 f"per rank on {num_ranks} ranks make {schedule.num_stages}"
             )
         self._pending = pending
-        self._waiting = schedule
-        self._planned = schedule
         self.n_microbatches = n_microbatches
+        self._adopt(schedule, name)  # (no group: kept for the first step)
 
     def _runtime_from(self, schedule: PlanSchedule) -> None:
         """Build the runtime now, from what ``__init__`` kept in ``_pending``."""
@@ -345,8 +344,7 @@ class _NamedSchedule(PipelineScheduleRuntime):
         if self._pending is not None and waiting is not None:
             if not dist.is_available() or not dist.is_initialized():
                 raise PipelineError(f"{type(self).__name__} needs an initialised torch.distributed process group")
-            self._runtime_from(waiting)
-            del self._waiting
+            self._adopt(waiting, type(self).__name__)  # placement checked as for a loaded file
         if self._pending is not None:
             raise PipelineError(
                 f"{type(self).__name__} names no schedule: load one with _load_csv(path) first, or use a "
