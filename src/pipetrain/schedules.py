@@ -449,22 +449,32 @@ class _NamedMulti(PipelineScheduleMulti):
 
 
 class ScheduleGPipe(PipelineScheduleSingle):
+    """All forwards, then all backwards: the simplest order, holding every microbatch's activations."""
+
     schedule_name = "GPipe"
 
 
 class Schedule1F1B(PipelineScheduleSingle):
+    """One forward, one backward after warm-up: GPipe's bubble, at most ``num_stages`` microbatches held."""
+
     schedule_name = "1F1B"
 
 
 class ScheduleZBH1(PipelineScheduleSingle):
+    """1F1B with the backward split into I and W, the Ws filling the drain: 1F1B's memory, a third of its bubble."""
+
     schedule_name = "ZBH1"
 
 
 class ScheduleZBH2(PipelineScheduleSingle):
+    """ZB-H1 with more warm-up forwards, so the Ws fill the whole bubble: about twice 1F1B's memory."""
+
     schedule_name = "ZBH2"
 
 
 class ScheduleInterleaved1F1B(_NamedMulti):
+    """1F1B over several stages per rank placed in a loop: the bubble divided by the stages per rank."""
+
     schedule_name = "Interleaved1F1B"
 
 
@@ -472,6 +482,8 @@ ScheduleFlexibleInterleaved1F1B = ScheduleInterleaved1F1B
 
 
 class ScheduleLoopedBFS(PipelineScheduleMulti):
+    """Several stages per rank in a loop, each stage's microbatches run breadth first (all F, then all B)."""
+
     schedule_name = "LoopedBFS"
 
     def __init__(
@@ -512,18 +524,26 @@ class ScheduleLoopedBFS(PipelineScheduleMulti):
 
 
 class ScheduleInterleavedZeroBubble(_NamedMulti):
+    """Interleaved 1F1B with split backwards whose Ws fill the warm-up and drain."""
+
     schedule_name = "InterleavedZeroBubble"
 
 
 class ScheduleZBVZeroBubble(_NamedMulti):
+    """Two stages per rank placed in a V, with split backwards: near-zero bubble at 1F1B's memory."""
+
     schedule_name = "ZBVZeroBubble"
 
 
 class ScheduleDualPipeV(_NamedMulti):
+    """DualPipe's V placement: two stages per rank whose forwards and backwards overlap in pairs."""
+
     schedule_name = "DualPipeV"
 
 
 class ScheduleForwardOnly(_NamedMulti):
+    """Forwards only (inference, validation): each stage runs every microbatch once."""
+
     schedule_name = "ForwardOnly"
 
 

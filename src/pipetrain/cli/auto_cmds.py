@@ -13,6 +13,7 @@ from pipetrain.cli.common import (
     RANK_SHARES,
     STAGE_ACT,
     UNITS,
+    add_costs_options,
     read_costs_file,
     schedule_output,
     write_schedule,
@@ -39,17 +40,15 @@ def register(subparsers: Any) -> None:
     plan.add_argument("--ranks", "-p", type=int, required=True, help="number of pipeline ranks P")
     plan.add_argument("--microbatches", "-m", type=int, required=True, help="number of microbatches M")
     plan.add_argument("--stages-per-rank", "-v", type=int, default=None, help="only this many stages per rank")
-    costs = plan.add_mutually_exclusive_group()
-    costs.add_argument(
-        "--costs",
+    costs = add_costs_options(
+        plan,
         default="f=1,b=2",
-        metavar="SPEC",
-        help="durations of one rank's share of the model, e.g. f=1,b=2,i=1,w=1,comm=0.1: a schedule with v "
+        costs_help="durations of one rank's share of the model, e.g. f=1,b=2,i=1,w=1,comm=0.1: a schedule with v "
         "stages per rank runs each stage in 1/v of them, so every candidate runs the same model; or one value "
         "per stage with ':' (e.g. f=2:1:1:2), which fixes the number of stages and makes every number per stage, "
         "plain ones included",
+        profile_help=PROFILE_HELP,
     )
-    costs.add_argument("--from-profile", metavar="FILE", help=PROFILE_HELP)
     costs.add_argument("--layers", metavar="FILE", help=LAYERS_HELP)
     plan.add_argument("--time-limit", type=float, default=10.0, help="seconds the construction may search (default 10)")
     plan.add_argument(

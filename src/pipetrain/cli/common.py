@@ -138,6 +138,17 @@ PROFILE_HELP = (
 )
 
 
+def add_costs_options(
+    parser: argparse.ArgumentParser, *, default: str, costs_help: str, profile_help: str
+) -> argparse._MutuallyExclusiveGroup:
+    """``--costs SPEC`` or ``--from-profile FILE``, never both (a profile is measured costs); the
+    group, for a command that takes a third source of costs."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--costs", default=default, metavar="SPEC", help=costs_help)
+    group.add_argument("--from-profile", metavar="FILE", help=profile_help)
+    return group
+
+
 def read_costs_file(path: str) -> Costs:
     """The costs in a ``--from-profile`` file (``f=...,b=...`` as ``--costs`` takes them; ``#``
     lines and blank lines skipped, lines joined), or a one-line error naming the file."""

@@ -14,6 +14,7 @@ from pipetrain.cli.common import (
     RANK_SHARES,
     STAGE_ACT,
     UNITS,
+    add_costs_options,
     add_size_arguments,
     output_path,
     read_costs_file,
@@ -35,15 +36,13 @@ _SHARE_MEANING = (
 
 def _add_costs_argument(parser: argparse.ArgumentParser, meaning: str) -> None:
     """``--costs SPEC`` or ``--from-profile FILE``; ``meaning`` says what the numbers describe here."""
-    group = parser.add_mutually_exclusive_group()
-    group.add_argument(
-        "--costs",
+    add_costs_options(
+        parser,
         default="",
-        metavar="SPEC",
-        help="durations and latency, e.g. f=1,b=2,i=1,w=1,comm=0 (per-stage values with ':', e.g. f=2:1:1:2; "
+        costs_help="durations and latency, e.g. f=1,b=2,i=1,w=1,comm=0 (per-stage values with ':', e.g. f=2:1:1:2; "
         "also overlap=0..1 for F&B pairs, bytes=... per activation); " + meaning,
+        profile_help=PROFILE_HELP + "; its stage count must be the schedule's",
     )
-    group.add_argument("--from-profile", metavar="FILE", help=PROFILE_HELP + "; its stage count must be the schedule's")
 
 
 def register(subparsers: Any) -> None:
