@@ -17,12 +17,12 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from pipetrain.errors import PipelineError
 from pipetrain.plan import Schedule
-from pipetrain.runtime.failures import _ROUNDS, FailureChannel, _neighbours, _wait_keys
+from pipetrain.runtime.failures import _ROUNDS, StoreWait, _neighbours
 from pipetrain.split import StageCut, stage_cut
 from pipetrain.stage import PipelineStage
 
@@ -101,15 +101,7 @@ def check_local(stages: Sequence[PipelineStage]) -> None:
 
 
 @contextlib.contextmanager
-def agree_stages(
-    failure: FailureChannel | None,
-    schedule: Schedule,
-    stages: Sequence[PipelineStage],
-    rank: int,
-    timeout: float,
-    poll: float,
-    where: Callable[[], str],
-) -> Iterator[None]:
+def agree_stages(wait: StoreWait, schedule: Schedule, stages: Sequence[PipelineStage], rank: int) -> Iterator[None]:
     """Around :func:`~pipetrain.runtime.failures.agree` at a schedule's first step: on entry,
     leave this rank's stage cuts in the store under the round ``agree`` is about to start; once
     it agreed, check the neighbours' cuts against this rank's.
@@ -119,6 +111,7 @@ def agree_stages(
     ranks ``agree`` waits for, as before).
     """
     peers = _neighbours(schedule, rank)
+    failure = wait.failure
     if failure is None or not peers:
         yield
         return
@@ -134,7 +127,7 @@ def agree_stages(
     if not posted or failure.generation != round_:  # agree() compared nothing (a store that cannot hold keys)
         return
     _check_own(cuts, stages, f"rank {rank}")
-    theirs = _wait_keys(failure, [f"{prefix}{p}" for p in peers], timeout, poll, where)
+    theirs = wait.values(failure, [f"{prefix}{p}" for p in peers])
     for peer, text in zip(peers, theirs, strict=True):
         data: dict[str, Any] = json.loads(text)
         for t, their in sorted((int(k), StageCut.from_dict(v)) for k, v in data.items()):

@@ -23,6 +23,7 @@ from pipetrain.runtime.executor import LossFn, RankExecutor, StepData
 from pipetrain.runtime.failures import (
     DEAD_GROUPS,
     RemoteFailureError,
+    StoreWait,
     agree,
     dead_group,
     failure_channel,
@@ -279,6 +280,9 @@ class PipelineScheduleRuntime(StepDriver):
     def _new_waiter(self) -> Waiter:
         return Waiter(self._failure, self.timeout, self.poll_interval, self._where)
 
+    def _store_wait(self) -> StoreWait:
+        return StoreWait(self._failure, self.timeout, self.poll_interval, self._where)
+
     def _report(self, message: str) -> None:
         if self._failure is not None:
             self._failure.report(message)
@@ -324,7 +328,7 @@ class PipelineScheduleRuntime(StepDriver):
         if not self._planned.planned or prepared.agreed or group is None or DEAD_GROUPS.get(group) is not None:
             return prepared
         try:
-            theirs = rank0_order(self._failure, self._planned, self.rank, self.timeout, self.poll_interval, self._where)
+            theirs = rank0_order(self._store_wait(), self._planned, self.rank)
         except Exception as exc:
             self._report(str(exc))
             raise
@@ -352,16 +356,9 @@ class PipelineScheduleRuntime(StepDriver):
         if first:
             try:
                 # Stages cut from one model must come from one cut (runtime.agreement).
-                with agree_stages(
-                    self._failure,
-                    prepared.base,
-                    self._stage_list,
-                    self.rank,
-                    self.timeout,
-                    self.poll_interval,
-                    self._where,
-                ):
-                    agree(self._failure, prepared.base, self.rank, self.timeout, self.poll_interval, self._where)
+                wait = self._store_wait()
+                with agree_stages(wait, prepared.base, self._stage_list, self.rank):
+                    agree(wait, prepared.base, self.rank)
             except Exception as exc:
                 # Nothing was posted yet, so the group stays usable (no failure notice is sent: a
                 # peer that did not get past its agreement would take it in its next round). Peers

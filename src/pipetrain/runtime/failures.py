@@ -21,6 +21,7 @@ import os
 import time
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
@@ -156,35 +157,38 @@ def _messages_hash(schedule: Schedule, rank: int) -> str:
 DEAD_GROUPS: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 
 
-def _wait_keys(
-    failure: FailureChannel, keys: list[str], timeout: float, poll: float, where: Callable[[], str]
-) -> list[str]:
-    """The values of ``keys`` once all are in the store; raises if a rank failed or after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    store = failure.store
-    pause = 0.0005  # doubled up to `poll`: peers usually arrive within milliseconds
-    while keys and not store.check(keys):  # (store.wait would log a warning at each expiry)
-        story = failure.check()
-        if story is not None:
-            raise RemoteFailureError(f"{where()}: stopped before the first step because {story}")
-        if time.monotonic() > deadline:
-            raise PipelineError(
-                f"{where()}: timed out after {timeout:g} s waiting for ranks to start the schedule "
-                "(no rank reported a failure)"
-            )
-        time.sleep(pause)
-        pause = min(2 * pause, poll)
-    return [bytes(store.get(k)).decode() for k in keys]
+@dataclass(frozen=True)
+class StoreWait:
+    """How a rank waits in the store for its peers before a first step: the failure channel it
+    watches (None: no store, nothing to wait for), how long and how often it looks, and how it
+    names itself in errors."""
+
+    failure: FailureChannel | None
+    timeout: float
+    poll: float
+    where: Callable[[], str]
+
+    def values(self, failure: FailureChannel, keys: list[str]) -> list[str]:
+        """The values of ``keys`` once all are in ``failure``'s store; raises if a rank failed or
+        after the timeout."""
+        deadline = time.monotonic() + self.timeout
+        store = failure.store
+        pause = 0.0005  # doubled up to `poll`: peers usually arrive within milliseconds
+        while keys and not store.check(keys):  # (store.wait would log a warning at each expiry)
+            story = failure.check()
+            if story is not None:
+                raise RemoteFailureError(f"{self.where()}: stopped before the first step because {story}")
+            if time.monotonic() > deadline:
+                raise PipelineError(
+                    f"{self.where()}: timed out after {self.timeout:g} s waiting for ranks to start the schedule "
+                    "(no rank reported a failure)"
+                )
+            time.sleep(pause)
+            pause = min(2 * pause, self.poll)
+        return [bytes(store.get(k)).decode() for k in keys]
 
 
-def agree(
-    failure: FailureChannel | None,
-    schedule: Schedule,
-    rank: int,
-    timeout: float,
-    poll: float,
-    where: Callable[[], str],
-) -> None:
+def agree(wait: StoreWait, schedule: Schedule, rank: int) -> None:
     """Check, before the first step of ``schedule``, that ``rank``'s neighbours run the same one.
 
     Ranks that built different schedules (say, different ``n_microbatches``) would post
@@ -194,6 +198,7 @@ def agree(
     schedule. Skipped on a store that cannot hold keys.
     """
     peers = _neighbours(schedule, rank)
+    failure = wait.failure
     if failure is None or not peers:
         return
     # The n-th round on a group is collective, so every rank counts alike; this step's failures
@@ -210,15 +215,15 @@ def agree(
         ready = False
     if not ready:
         return
-    theirs = _wait_keys(failure, [f"{prefix}{p}" for p in peers], timeout, poll, where)
+    theirs = wait.values(failure, [f"{prefix}{p}" for p in peers])
     for peer, value in zip(peers, theirs, strict=True):
         summary, their_sizes, digest = value.rsplit("#", 2)
         if their_sizes != sizes:
             raise PipelineError(
-                f"{where()}: the ranks built different schedules: this rank runs {mine}, rank {peer} runs {summary}"
+                f"{wait.where()}: the ranks built different schedules: this rank runs {mine}, rank {peer} runs {summary}"
             )
         if digest != _messages_hash(schedule, peer):
             raise PipelineError(
-                f"{where()}: the ranks built different schedules: rank {peer}'s sends and receives "
+                f"{wait.where()}: the ranks built different schedules: rank {peer}'s sends and receives "
                 f"differ from those this rank's schedule ({mine}) gives it"
             )

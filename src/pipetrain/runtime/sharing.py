@@ -13,10 +13,8 @@ them naming both.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from pipetrain.plan import Schedule
-from pipetrain.runtime.failures import _ROUNDS, FailureChannel, _wait_keys
+from pipetrain.runtime.failures import _ROUNDS, StoreWait
 
 __all__ = ["rank0_order"]
 
@@ -30,19 +28,13 @@ def _same_layout(a: Schedule, b: Schedule) -> bool:
     )
 
 
-def rank0_order(
-    failure: FailureChannel | None,
-    schedule: Schedule,
-    rank: int,
-    timeout: float,
-    poll: float,
-    where: Callable[[], str],
-) -> Schedule | None:
+def rank0_order(wait: StoreWait, schedule: Schedule, rank: int) -> Schedule | None:
     """Rank 0's schedule where it is another order of ``schedule``'s actions, else None.
 
     Keyed by the round the first step's agreement is about to open (every rank counts rounds
     alike), so it needs no round of its own. Skipped without a store that holds keys.
     """
+    failure = wait.failure
     if failure is None or schedule.num_ranks < 2:
         return None
     key = f"pipetrain/{failure.namespace}/order/{_ROUNDS.get(failure.namespace, 0) + 1}"
@@ -54,7 +46,7 @@ def rank0_order(
         store.check([key])
     except Exception:  # a store without set/check (a fake backend's): nothing to share
         return None
-    (text,) = _wait_keys(failure, [key], timeout, poll, where)
+    (text,) = wait.values(failure, [key])
     theirs = Schedule.from_json_text(text)
     if theirs == schedule or not _same_layout(theirs, schedule):
         return None
