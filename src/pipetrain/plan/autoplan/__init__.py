@@ -212,6 +212,6 @@ def polish(
         if score < makespan - 1e-9:
             best, makespan = found, score
     merged = merge_backward(problem, best)
-    if merged != best and problem.makespan(merged) <= makespan + 1e-9:
+    if merged != best and problem.makespan(merged) <= makespan + 1e-9 and problem.fits(merged):
         best = merged
     return best, makespan

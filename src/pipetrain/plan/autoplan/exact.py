@@ -3,7 +3,9 @@ benchmarks, and, when ortools is installed, the planner's last step (:func:`impr
 
 One interval per action (F, I, W of every stage and microbatch) with its duration, no overlap on a
 rank, the dependency rules with the message latency between ranks, and a cumulative resource
-per rank for memory (an activation is held from the start of its F to the end of its W). Microbatches are
+per rank for memory, counted as ``simulate`` counts it: an activation from the start of its F to
+the end of its I, then what W reads until W's end; where W reads more than the activation, the
+backward may run as one B (W right after I), which holds the activation alone. Microbatches are
 interchangeable, so they enter the first stage in order (a symmetry cut that keeps an optimum).
 Durations are scaled to integers (``scale``); problems whose durations or weights are not
 multiples of ``1/scale`` are left to the heuristic. The planner never needs ortools.
@@ -60,7 +62,7 @@ def solvable(problem: Problem, scale: int = 10) -> bool:
     values = [*problem.f, *problem.i, *problem.w, problem.comm]
     if any(abs(round(x * scale) - x * scale) > 1e-6 for x in values):
         return False
-    if problem.limit is not None and any(abs(round(a) - a) > 1e-9 for a in problem.hold):
+    if problem.limit is not None and any(abs(round(a) - a) > 1e-9 for a in (*problem.weight, *problem.after_i)):
         return False
     return True
 
@@ -97,8 +99,10 @@ class _Model:
         self.horizon = horizon
         start: dict[int, Any] = {}
         end: dict[int, Any] = {}
+        self.fused: dict[int, Any] = {}  # I code -> "runs as one B with its W" (where W reads more)
         per_rank: list[list[Any]] = [[] for _ in range(n_rk)]
-        self.held: list[tuple[Any, int, int]] = []  # (how long, F code, W code) per activation
+        # (how long, first code, whether from its start (else its end), last code) per held interval
+        self.held: list[tuple[Any, int, bool, int]] = []
         for k in (KIND_F, KIND_I, KIND_W):
             for s in range(n_st):
                 for m in range(n_mb):
@@ -110,36 +114,67 @@ class _Model:
                     start[c], end[c] = st, en
         # What each action waits for is the dependency core's rule (the problem's tables); a product
         # slot is numbered as the F or I code that makes it.
+        if problem.limit is not None:  # where W reads more than the activation, one B may hold less
+            for s in range(n_st):
+                as_parts = abs(problem.b[s] - problem.i[s] - problem.w[s]) < _EPS  # (B is timed as I then W)
+                if problem.after_i[s] > problem.weight[s] + _EPS and as_parts:
+                    for m in range(n_mb):
+                        i = problem.code(KIND_I, s, m)
+                        self.fused[i] = fused = model.new_bool_var(f"b{i}")
+                        model.add(start[i + (KIND_W - KIND_I) * n_st * n_mb] == end[i]).only_enforce_if(fused)
         for c in start:
             for slot, latency in t.needs[c]:
                 model.add(start[c] >= end[slot] + ticks(latency))
+                w = slot + (KIND_W - KIND_I) * n_st * n_mb
+                if slot in self.fused and c != w:  # a B hands its gradient on at its end, after its W part
+                    model.add(start[c] >= end[w] + ticks(latency)).only_enforce_if(self.fused[slot])
         for m in range(n_mb - 1):
             model.add(start[problem.code(KIND_F, 0, m)] <= start[problem.code(KIND_F, 0, m + 1)])
         for r in range(n_rk):
             model.add_no_overlap(per_rank[r])
         if problem.limit is not None:
-            # An activation is held over an interval (from its F's start to its W's end, at the most
-            # it holds in between): memory is a cumulative resource of the rank's room.
             for r in range(n_rk):
-                held: list[Any] = []
-                demands: list[int] = []
-                for s in problem.stages_of(r):
-                    a = round(problem.hold[s])
-                    assert abs(a - problem.hold[s]) < 1e-9, "the exact model takes integer activation weights"
-                    for m in range(n_mb):
-                        f, w = problem.code(KIND_F, s, m), problem.code(KIND_W, s, m)
-                        size = model.new_int_var(0, horizon, f"h{f}")
-                        held.append(model.new_interval_var(start[f], size, end[w], f"a{f}"))
-                        self.held.append((size, f, w))
-                        demands.append(a)
-                room = problem.room(r)
-                assert room is not None
-                model.add_cumulative(held, demands, max(0, int(room + 1e-9)))
+                self._memory(model, r, start, end, horizon)
         makespan = model.new_int_var(0, horizon, "makespan")
         model.add_max_equality(makespan, list(end.values()))
         model.minimize(makespan)
         self.model, self.start, self.end, self.makespan = model, start, end, makespan
         self.per_rank_codes = [[c for c in start if t.rank[c] == r] for r in range(n_rk)]
+
+    def _memory(self, model: Any, rank: int, start: dict[int, Any], end: dict[int, Any], horizon: int) -> None:
+        """The rank's room as a cumulative resource over what each (stage, microbatch) holds."""
+        problem = self.problem
+        intervals: list[Any] = []
+        demands: list[int] = []
+
+        def held(first: int, from_start: bool, last: int, demand: int, present: Any = None) -> None:
+            size = model.new_int_var(0, horizon, "")
+            begin = start[first] if from_start else end[first]
+            if present is None:
+                intervals.append(model.new_interval_var(begin, size, end[last], ""))
+            else:
+                intervals.append(model.new_optional_interval_var(begin, size, end[last], present, ""))
+            self.held.append((size, first, from_start, last))
+            demands.append(demand)
+
+        for s in problem.stages_of(rank):
+            a, g = round(problem.weight[s]), round(problem.after_i[s])
+            assert abs(a - problem.weight[s]) < _EPS and abs(g - problem.after_i[s]) < _EPS, "integer weights only"
+            for m in range(problem.num_microbatches):
+                f, i, w = (problem.code(k, s, m) for k in (KIND_F, KIND_I, KIND_W))
+                if a == g:
+                    held(f, True, w, a)
+                    continue
+                held(f, True, i, a)
+                fused = self.fused.get(i)
+                if fused is None:  # one B would hold no less (or is not timed as its parts)
+                    held(i, False, w, g)
+                    continue
+                held(i, False, w, g, ~fused)
+                held(i, False, w, a, fused)
+        room = problem.room(rank)
+        assert room is not None
+        model.add_cumulative(intervals, demands, max(0, int(room + 1e-9)))
 
     def ticks(self, x: float) -> int:
         value = round(x * self.scale)
@@ -147,14 +182,16 @@ class _Model:
         return value
 
     def hint(self, model: Any, orders: Orders, rank_end: list[Any] | None = None) -> None:
-        """A complete hint: every start and end of ``orders`` as simulated, and their makespan."""
+        """A complete hint: every start and end of ``orders`` as simulated (a B as its I then its
+        W), and their makespan."""
         t = self.problem.tables
         last = 0
         starts = self.problem.starts(orders)
         at: dict[int, int] = {}
+        whole_b: set[int] = set()
         for r, program in enumerate(orders):
             finish = 0
-            for c, st in zip(program, starts[r], strict=True):
+            for c, st in self.parts(program, starts[r]):
                 if c in self.start:
                     s_ticks = round(st * self.scale)
                     e_ticks = s_ticks + self.ticks(t.dur[c])
@@ -162,36 +199,73 @@ class _Model:
                     model.add_hint(self.end[c], e_ticks)
                     at[c] = s_ticks
                     finish = max(finish, e_ticks)
+            whole_b.update(self.i_of_b(c) for c in program if self._is_b(c))
             if rank_end is not None:
                 model.add_hint(rank_end[r], finish)
             last = max(last, finish)
         model.add_hint(self.makespan, last)
-        for size, f, w in self.held:
-            if f in at and w in at:
-                model.add_hint(size, at[w] + self.ticks(t.dur[w]) - at[f])
+        for size, first, from_start, w in self.held:
+            if first in at and w in at:
+                begin = at[first] + (0 if from_start else self.ticks(t.dur[first]))
+                model.add_hint(size, at[w] + self.ticks(t.dur[w]) - begin)
+        for i, fused in self.fused.items():
+            model.add_hint(fused, i in whole_b)
+
+    def _is_b(self, code: int) -> bool:
+        return code // (self.problem.num_stages * self.problem.num_microbatches) == KIND_B
+
+    def i_of_b(self, code: int) -> int:
+        return code - (KIND_B - KIND_I) * self.problem.num_stages * self.problem.num_microbatches
+
+    def parts(self, program: list[int], starts: list[float]) -> list[tuple[int, float]]:
+        """(code, start) of ``program``'s actions, a B as its I and then its W."""
+        out: list[tuple[int, float]] = []
+        sm = self.problem.num_stages * self.problem.num_microbatches
+        dur = self.problem.tables.dur
+        for c, st in zip(program, starts, strict=True):
+            if c // sm == KIND_B:
+                i = self.i_of_b(c)
+                out += [(i, st), (i + (KIND_W - KIND_I) * sm, st + dur[i])]
+            else:
+                out.append((c, st))
+        return out
 
     def orders(self, solver: Any) -> Orders:
+        """The solution's orders: each rank's actions by start, a fused I and W as one B."""
         t = self.problem.tables
+        sm = self.problem.num_stages * self.problem.num_microbatches
+        fused_w = {i + (KIND_W - KIND_I) * sm for i, z in self.fused.items() if solver.value(z)}
         orders: Orders = []
         for r in range(self.problem.num_ranks):
-            codes = [c for c in self.start if t.rank[c] == r]
+            codes = [c for c in self.start if t.rank[c] == r and c not in fused_w]
             codes.sort(key=lambda c: (solver.value(self.start[c]), solver.value(self.end[c]), c))
-            orders.append(codes)
+            orders.append([c + (KIND_B - KIND_I) * sm if c + (KIND_W - KIND_I) * sm in fused_w else c for c in codes])
         return orders
 
 
 def solve(
-    problem: Problem, hint: Orders | None = None, time_limit: float = 60.0, scale: int = 10, workers: int = 2
+    problem: Problem,
+    hint: Orders | None = None,
+    time_limit: float = 60.0,
+    scale: int = 10,
+    workers: int = 2,
+    at_most: float | None = None,
 ) -> Exact:
-    """Minimise the makespan of ``problem`` (split backward: I then W) within ``time_limit`` seconds."""
+    """Minimise the makespan of ``problem`` within ``time_limit`` seconds. ``at_most``: only
+    makespans up to it are sought (another layout's optimum: a smaller search); where none is, the
+    result has no orders and a lower bound just above it."""
     built = _Model(problem, scale)
     cp_model = built.cp_model
     if hint is not None:
         built.hint(built.model, hint)
+    if at_most is not None:
+        built.model.add(built.makespan <= built.ticks(at_most))
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit
     solver.parameters.num_workers = workers
     status = solver.solve(built.model)
+    if status == cp_model.INFEASIBLE and at_most is not None:
+        return Exact(float("inf"), False, at_most + 1 / scale, solver.wall_time, None)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return Exact(float("inf"), False, solver.best_objective_bound / scale, solver.wall_time, None)
     return Exact(
@@ -204,13 +278,16 @@ def solve(
 
 
 def split_backward(problem: Problem, orders: Orders) -> Orders:
-    """``orders`` with every B run as its I then its W (same times, same memory)."""
+    """``orders`` with every B run as its I then its W (same times; the same memory, or less,
+    except where W reads more than the activation: such a B is kept)."""
     sm = problem.num_stages * problem.num_microbatches
+    n_mb = problem.num_microbatches
+    after_i, weight = problem.after_i, problem.weight
     out: Orders = []
     for program in orders:
         split: list[int] = []
         for c in program:
-            if c // sm == KIND_B:
+            if c // sm == KIND_B and after_i[(c % sm) // n_mb] <= weight[(c % sm) // n_mb] + _EPS:
                 split += [c - (KIND_B - KIND_I) * sm, c - (KIND_B - KIND_W) * sm]
             else:
                 split.append(c)
@@ -232,7 +309,8 @@ def improve_windows(
     on their rank (but may move in time), and CP-SAT reorders the window's actions freely, lowest
     makespan first, then the sum of the ranks' finishing times (a small problem is first solved
     whole, for the makespan alone, with most of the time). Returns orders never worse than
-    ``orders`` (a split backward only: I then W) and their score; ``orders`` must fit."""
+    ``orders`` (backwards split into I and W, or one B where W reads more than the activation)
+    and their score; ``orders`` must fit."""
     best = split_backward(problem, orders)
     best_score = problem.score(best)
     built = _Model(problem, scale)
@@ -270,7 +348,7 @@ def improve_windows(
             model.minimize(built.makespan)  # alone: shorter ones sooner (windows then even out the ends)
         for r, program in enumerate(best):
             previous = None
-            for c, st in zip(program, starts[r], strict=True):
+            for c, st in built.parts(program, starts[r]):
                 if st < t0 - _EPS:
                     model.add(built.start[c] == round(st * scale))
                 elif st > t1 + _EPS:
