@@ -8,8 +8,11 @@ with W holding the weight GEMMs. Run:
 (``pipetrain``: pipetrain.recompute; ``wrapper``: torch's checkpoint_wrapper, as torchtitan's
 apply_ac makes it; ``sac``: the same with a selective policy saving matmuls; ``torch``: a plain
 ``torch.utils.checkpoint`` call in the block's forward); ``--compile`` compiles every block
-(aot_eager), ``--compile between`` all of it but its Linear layers (pipetrain.compiled). Steps alternate between B and I+W so both see the same machine state; medians are
-reported, with W's share, the block forwards per microbatch and the largest gradient difference.
+(``--backend aot_eager``, the default, or ``inductor``): ``whole`` with torch.compile (one autograd
+node, W holds nothing), ``between`` all of it but its Linear layers and ``graph`` with its backward
+graph split into an input and a weight part (pipetrain.compiled.compile_for_split, split="linears"
+and split="graph"). Steps alternate between B and I+W so both see the same machine state; medians
+are reported, with W's share, the block forwards per microbatch and the largest gradient difference.
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ class _TorchCheckpointed(torch.nn.Module):
         return out
 
 
-def wrap(block: torch.nn.Module, ac: str, compiled: str | None) -> torch.nn.Module:
+def wrap(block: torch.nn.Module, ac: str, compiled: str | None, backend: str = "aot_eager") -> torch.nn.Module:
     """One block as the options ask: checkpointed one way or another, compiled or not."""
     from functools import partial
 
@@ -83,12 +86,12 @@ def wrap(block: torch.nn.Module, ac: str, compiled: str | None) -> torch.nn.Modu
         block = checkpoint_wrapper(block, context_fn=partial(create_selective_checkpoint_contexts, save_matmuls))
     elif ac == "torch":
         block = _TorchCheckpointed(block)
-    if compiled == "between":
+    if compiled in ("between", "graph"):
         from pipetrain.compiled import compile_for_split
 
-        block = compile_for_split(block, backend="aot_eager")
+        block = compile_for_split(block, split="linears" if compiled == "between" else "graph", backend=backend)
     elif compiled:
-        block = torch.compile(block, backend="aot_eager")
+        block = torch.compile(block, backend=backend)
     return block
 
 
@@ -108,9 +111,11 @@ def parse() -> argparse.Namespace:
         "--compile",
         nargs="?",
         const="whole",
-        choices=["whole", "between"],
-        help="torch.compile every block (aot_eager): whole, or between its Linear layers (pipetrain.compiled)",
+        choices=["whole", "between", "graph"],
+        help="torch.compile every block: whole, between its Linear layers, or with its backward graph split "
+        "(pipetrain.compiled)",
     )
+    parser.add_argument("--backend", choices=["aot_eager", "inductor"], default="aot_eager", help="for --compile")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (timed with a synchronize around each)")
     return parser.parse_args()
 
@@ -124,10 +129,10 @@ def subject(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.Tensor, st
     blocks, x = bpe_blocks(args.blocks, args.wide)
     # (on a layer inside: a recomputed block's rebuild calls its forward, not the module)
     blocks[0].ln1.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
-    module = torch.nn.Sequential(*[wrap(b, args.ac, args.compile) for b in blocks])
+    module = torch.nn.Sequential(*[wrap(b, args.ac, args.compile, args.backend) for b in blocks])
     shape = "d_model 256, 2 x 128 tokens" if args.wide else "bpe, d_model 224, 2 x 64 tokens"
     how = [f"checkpointed ({args.ac})"] if args.ac != "none" else []
-    how += [f"compiled ({args.compile}, aot_eager)"] if args.compile else []
+    how += [f"compiled ({args.compile}, {args.backend})"] if args.compile else []
     return module, x, f"{args.blocks} block(s) ({shape}) {', '.join(how) or 'eager'}", forwards
 
 

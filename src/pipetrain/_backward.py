@@ -4,9 +4,11 @@ A microbatch's backward is one engine run (I) in which every matrix multiply who
 parameter (``mm``, ``addmm``, ``bmm`` autograd nodes, reached through transposes, views and
 autocast casts) computes only the gradient of its activation operand: a pre-hook keeps the two
 tensors its weight gradient needs (the other operand and the output gradient) and autograd skips
-that GEMM. Every other parameter (norms, biases, embeddings, what a compiled region or a custom
+that GEMM. A region compiled by :func:`pipetrain.compiled.compile_for_split` runs the input part
+of its split backward graph and leaves the weight part to W (:mod:`pipetrain._aot_split`). Every
+other parameter (norms, biases, embeddings, what a plain compiled region or a custom
 ``autograd.Function`` computes) gets its gradient in I. W is then those GEMMs, straight into
-``.grad``: no autograd engine call, no graph kept, so a checkpointed region is recomputed once (in
+``.grad``, and the regions' weight parts: no graph kept, so a checkpointed region is recomputed once (in
 I) and between I and W a microbatch holds only what W reads. Why this is exact and what it
 costs: docs/stage-and-split-backward.md.
 """
@@ -23,6 +25,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge
 
+from pipetrain._aot_split import DeferredRegion, compiled_nodes, deferring
 from pipetrain._gemm_analysis import Analysis, DeferredGemm, analyse
 from pipetrain.errors import PipelineError
 
@@ -133,14 +136,17 @@ class WeightGradPlan:
     whole: tuple[list[GradientEdge], list[torch.Tensor]] | None = None
     # torch's dw_builder: I ran autograd's whole backward and W calls the user's runner.
     runner: Callable[[], None] | None = None
+    # Compiled regions' weight-gradient parts (pipetrain.compiled.compile_for_split).
+    regions: list[DeferredRegion] = field(default_factory=list)
 
     def nbytes(self) -> int:
         """Bytes W still needs (distinct storages of the kept operands)."""
         seen: dict[int, int] = {}
-        for gemm in self.gemms:
-            for t in (gemm.g, gemm.a):
-                if t is not None:
-                    seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        kept = [t for gemm in self.gemms for t in (gemm.g, gemm.a)]
+        kept += [t for region in self.regions for t in region.boundary]
+        for t in kept:
+            if isinstance(t, torch.Tensor):
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return sum(seen.values())
 
 
@@ -230,9 +236,9 @@ def backward_input(
         return [], WeightGradPlan(whole=(root_edges, root_grads))
     input_nodes = {torch.autograd.graph.get_gradient_edge(t).node for t in inputs}
     analysis = analyse([e.node for e in root_edges], input_nodes)
-    if names is not None:
-        _notice(label, analysis, names, noticed if noticed is not None else set())
     if analysis.reentrant:
+        if names is not None:
+            _notice(label, analysis, names, noticed if noticed is not None else set())
         return backward_full(edges, grads, inputs), WeightGradPlan(full_in_input_pass="reentrant checkpoint")
     handles = [gemm.node.register_prehook(_keeper(gemm)) for gemm in analysis.gemms if gemm.node is not None]
     targets: list[torch.Tensor | GradientEdge] = [*inputs, *analysis.eager_leaves]
@@ -241,15 +247,28 @@ def backward_input(
     def run() -> None:
         _run_engine(root_edges, root_grads, targets)
 
+    regions_here = compiled_nodes([e.node for e in root_edges]) if analysis.opaque else []
     try:
-        result = _into_inputs(run, inputs)
+        with deferring(regions_here) as regions:
+            result = _into_inputs(run, inputs)
     finally:
         for h in handles:
             h.remove()
     gemms = [g for g in analysis.gemms if g.g is not None]
     for gemm in analysis.gemms:
         gemm.node = None  # the graph goes now
-    return result, WeightGradPlan(gemms)
+    if names is not None:
+        _notice(label, _less_deferred(analysis, regions), names, noticed if noticed is not None else set())
+    return result, WeightGradPlan(gemms, regions=regions)
+
+
+def _less_deferred(analysis: Analysis, regions: Sequence[DeferredRegion]) -> Analysis:
+    """``analysis`` without the compiled regions' weights that W got after all (split regions)."""
+    if not regions:
+        return analysis
+    deferred = {id(getattr(e.node, "variable", None)) for region in regions for e in region.edges}
+    opaque = {kind: [w for w in ws if id(w) not in deferred] for kind, ws in analysis.opaque.items()}
+    return Analysis(analysis.gemms, analysis.eager_leaves, opaque, analysis.unpeekable, analysis.reentrant)
 
 
 def _keeper(gemm: DeferredGemm) -> Callable[[tuple[torch.Tensor | None, ...]], None]:
@@ -303,6 +322,13 @@ def backward_weight(plan: WeightGradPlan) -> None:
         if hooks:
             for hook in list(hooks.values()):
                 hook(w)
+    if plan.regions:
+        # The compiled regions' weight parts, then one engine run over their parameters'
+        # AccumulateGrad nodes only: accumulated (and hooked) as autograd accumulates them.
+        regions, plan.regions = plan.regions, []
+        pairs = [pair for region in regions for pair in region.gradients()]
+        if pairs:
+            _run_engine([e for e, _ in pairs], [g for _, g in pairs])
 
 
 # ------------------------------------------------------------------ torch's functions of this module
