@@ -41,6 +41,12 @@ of the one before (the first on ``sample_input``, one microbatch) and measures, 
   here): a tensor between two layers that only their I reads (an activation function's input,
   as a layer of its own) is left out.
 
+* ``optimizer``: median seconds of the optimizer's update of its parameters and their
+  ``zero_grad`` (Adam, or SGD with momentum for ``optimizer="sgd"``), per training step, timed on
+  copies of its parameters with random gradients after one untimed update (which makes the
+  optimizer's state). A step pays it once per rank after the pipeline; the planner spreads it
+  over the microbatches (:func:`pipetrain.plan.pipeline.layers.with_optimizer`).
+
 Measuring leaves the layers as they were: parameter gradients and buffers are restored.
 """
 
@@ -292,6 +298,30 @@ def _device_of(layers: Sequence[nn.Module], sample_input: Any) -> torch.device:
         for p in layer.parameters():
             return p.device
     return torch.device("cpu")
+
+
+def _optimizer_seconds(params: Sequence[nn.Parameter], optimizer: str, repeats: int) -> float:
+    """Median seconds of one optimizer step and ``zero_grad`` over copies of ``params`` (0 for none)."""
+    if not params:
+        return 0.0
+    copies = [nn.Parameter(p.detach().clone()) for p in params]
+    kind = optimizer.lower()
+    opt: torch.optim.Optimizer = (
+        torch.optim.SGD(copies, lr=1e-3, momentum=0.9) if kind == "sgd" else torch.optim.Adam(copies, lr=1e-3)
+    )
+    samples = []
+    device = copies[0].device
+    for trial in range(repeats + 1):  # the first makes the optimizer's state and is not counted
+        for p in copies:
+            p.grad = torch.randn_like(p)
+        _sync(device)
+        t0 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        _sync(device)
+        if trial:
+            samples.append(time.perf_counter() - t0)
+    return float(statistics.median(samples))
 
 
 def _precision(params: Sequence[torch.Tensor]) -> str:
@@ -559,6 +589,7 @@ def profile_layers(
                     "workspace_bytes": workspace or 0.0,
                     "i_workspace_bytes": i_workspace,
                     "i_saved_bytes": i_saved,
+                    "optimizer": _optimizer_seconds(mine, optimizer, repeats),
                 }
             )
             prev_out_keys, prev_saved = set(out_storages), saved.storages

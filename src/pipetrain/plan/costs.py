@@ -38,6 +38,8 @@ _DEFAULT = 1.0
 _BYTES = ("activation_bytes", "weight_grad_bytes", "message_bytes", "static_bytes", "transient_bytes")
 _PER_STAGE = ("f", "b", "i", "w", *_BYTES)
 _SHARES = ("stage", "rank")
+_SCALARS = ("comm", "overlap", "send", "recv", "unshard", "reshard", "reduce_grad", "action_overhead")
+_DURATIONS = ("f", "b", "i", "w")
 
 
 def _check(name: str, value: PerStage | None) -> PerStage | None:
@@ -106,6 +108,10 @@ class Costs:
     ``sum - overlap * (sum - longest part)`` (0: one after the other, 1: as long as its longest
     part, DualPipe's ideal F&B). ``send``, ``recv``, ``unshard``, ``reshard`` and ``reduce_grad``
     are rank time spent on those actions (0: they are posted and run in the background).
+    ``action_overhead`` is rank time a runtime spends on each compute action beyond the action
+    itself (taking its inputs, bookkeeping): :meth:`per_stage` and :meth:`duration` add it to
+    every F, B, I and W, so a simulation prices it as the runtime pays it (once per action, not
+    per layer).
     Memory (bytes, per stage and microbatch unless said; docs/semantics.md, "Memory"):
     ``activation_bytes`` what a forward keeps for its backward (its output included), held from
     the start of F until its last backward ends; ``weight_grad_bytes`` what a split backward
@@ -135,6 +141,7 @@ class Costs:
     unshard: float = 0.0
     reshard: float = 0.0
     reduce_grad: float = 0.0
+    action_overhead: float = 0.0
     activation_bytes: PerStage | None = None
     weight_grad_bytes: PerStage | None = None
     message_bytes: PerStage | None = None
@@ -149,7 +156,7 @@ class Costs:
         if self.f is None:
             raise ScheduleError("cost f is required")
         _check_stage_counts(self)
-        for name in ("comm", "overlap", "send", "recv", "unshard", "reshard", "reduce_grad"):
+        for name in _SCALARS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
                 raise ScheduleError(f"cost {name} must be a finite number >= 0, got {value!r}")
@@ -242,17 +249,19 @@ class Costs:
     # ------------------------------------------------------------ lookups
 
     def per_stage(self, name: str, num_stages: int) -> list[float]:
-        """The cost ``name`` ("f", "b", "i", "w" or one of the byte sizes) as one value per stage."""
+        """The cost ``name`` ("f", "b", "i", "w" or one of the byte sizes) as one value per stage;
+        a duration includes ``action_overhead`` (what a runtime spends on the action beyond it)."""
         value = getattr(self, name)
         if value is None:
             raise ScheduleError(f"cost {name} is not set")
+        extra = self.action_overhead if name in _DURATIONS else 0.0
         if isinstance(value, float):
-            return [value] * num_stages
+            return [value + extra] * num_stages
         if len(value) != num_stages:
             raise ScheduleError(
                 f"cost {name} gives {len(value)} per-stage values, but the schedule has {num_stages} stages"
             )
-        return list(value)
+        return [v + extra for v in value]
 
     def duration(self, action: Action, num_stages: int) -> float:
         """Rank time of one action (OVERLAP_F_B per ``overlap``). Convenient, not fast."""
@@ -322,7 +331,7 @@ class Costs:
             f"w={show(self.w)}",
             f"comm={self.comm:g}",
         ]
-        for name in ("overlap", "send", "recv", "unshard", "reshard", "reduce_grad"):
+        for name in _SCALARS[1:]:
             if getattr(self, name):
                 parts.append(f"{name}={getattr(self, name):g}")
         for name, label in (

@@ -40,6 +40,7 @@ __all__ = [
     "is_auto",
     "machine_memory_per_rank",
     "measure_latency",
+    "measure_posts",
     "plan_layers",
     "profile_model",
     "share_plan",
@@ -150,6 +151,35 @@ def measure_latency(nbytes: int, device: torch.device, repeats: int = 8, group: 
         result[0] = statistics.median(samples)
     dist.broadcast(result, src=0, group=group)
     return float(result[0])
+
+
+def measure_posts(nbytes: int, device: torch.device, repeats: int = 8, group: Any = None) -> tuple[float, float]:
+    """Median rank time to post a send and a receive of ``nbytes`` between ranks 0 and 1 (seconds;
+    a collective, every rank gets rank 0's numbers; 0.0 with one rank): what a runtime pays per
+    message beyond its latency, which the simulation prices as ``Costs.send`` / ``Costs.recv``."""
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    result = torch.zeros(2, dtype=torch.float64)
+    if world > 1 and rank in (0, 1):
+        out = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
+        into = torch.zeros_like(out)
+        peer = 1 - rank
+        sends, recvs = [], []
+        for trial in range(repeats + 1):
+            t0 = time.perf_counter()
+            handle = dist.irecv(into, peer, group=group)
+            t1 = time.perf_counter()
+            sent = dist.isend(out, peer, group=group)
+            t2 = time.perf_counter()
+            for work in (handle, sent):
+                if work is not None:
+                    work.wait()
+            if trial:
+                recvs.append(t1 - t0)
+                sends.append(t2 - t1)
+        result[0], result[1] = statistics.median(sends), statistics.median(recvs)
+    dist.broadcast(result, src=0, group=group)
+    return float(result[0]), float(result[1])
 
 
 def machine_memory_per_rank(device: torch.device) -> tuple[float, str]:

@@ -19,6 +19,7 @@ rebuild and the gradients, all of which a step allocates.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -54,6 +55,7 @@ class Layout:
     layers: list[Any] = field(default_factory=list)
     comm: float = 0.0
     profile_error: str | None = None
+    promise: dict[str, Any] | None = None  # the simulated step, term by term (time_promise.step_promise)
 
 
 def layout(env: DistEnv, cfg: TrainConfig, device: torch.device, data: TextData) -> Layout:
@@ -70,6 +72,7 @@ def layout(env: DistEnv, cfg: TrainConfig, device: torch.device, data: TextData)
     model = GPT(mcfg)
     parts: list[nn.Module] = list(model.split(schedule.num_stages))
     layers, latency, error = _layer_profile(env, cfg, model, data, device)
+    posts = _message_posts(cfg, model, device)
     if cfg.activation_checkpointing:
         from pipetrain.recompute import recompute
         from pipetrain.train.model import Block
@@ -77,30 +80,34 @@ def layout(env: DistEnv, cfg: TrainConfig, device: torch.device, data: TextData)
         for block in [m for part in parts for m in part.modules() if isinstance(m, Block)]:
             recompute(block)
     model.to("cpu")
+    stage_layers = _cut_names(model, parts)
+    recomputed = list(range(len(parts))) if cfg.activation_checkpointing else []
+    promise = _share_promise(env, schedule, layers, stage_layers, recomputed, latency, posts, error)
     if cfg.layers_out is not None and env.rank == 0:
         from pipetrain.train.auto import write_layers
 
         if error is not None:
             raise PipelineError(error)
         write_layers(cfg.layers_out, layers, cfg, latency)
-    return Layout(schedule, mcfg, parts, _cut_names(model, parts), None, layers, latency, error)
+    return Layout(schedule, mcfg, parts, stage_layers, None, layers, latency, error, promise)
 
 
 def _auto_layout(env: DistEnv, cfg: TrainConfig, device: torch.device, data: TextData) -> Layout:
     """``--schedule auto``: rank 0 profiles the model's layers and plans; every rank gets the plan and
     cuts its model by it."""
+    from pipetrain.plan.pipeline.layers import with_optimizer
     from pipetrain.train.auto import (
         build_stages,
         machine_memory_per_rank,
         plan_layers,
         share_plan,
-        with_optimizer_time,
     )
 
     mcfg = cfg.auto_model_config(env.world_size)
     torch.manual_seed(cfg.seed)
     model = GPT(mcfg)
     layers, latency, error = _layer_profile(env, cfg, model, data, device)
+    posts = _message_posts(cfg, model, device)
     plan: LayerPlan | str | None = None
     if env.rank == 0:
         if error is not None:
@@ -113,7 +120,7 @@ def _auto_layout(env: DistEnv, cfg: TrainConfig, device: torch.device, data: Tex
             stages = 2 * env.world_size  # the named schedule to compare with: ZB-V on the default (even) cut
             even = _cut_names(model, list(model.split(stages))) if len(model) >= stages else None
             try:
-                timed = with_optimizer_time(layers, model, cfg.microbatches, cfg.lr)
+                timed = with_optimizer(layers, cfg.microbatches)
                 plan = plan_layers(
                     timed,
                     env.world_size,
@@ -135,7 +142,44 @@ def _auto_layout(env: DistEnv, cfg: TrainConfig, device: torch.device, data: Tex
                 plan = str(err)
     shared = share_plan(plan)
     model.to("cpu")
-    return Layout(shared.schedule, mcfg, build_stages(model, shared), shared.stage_layers, shared, layers, latency)
+    promise = _share_promise(env, shared.schedule, layers, shared.stage_layers, shared.recompute, latency, posts, None)
+    modules = build_stages(model, shared)
+    return Layout(shared.schedule, mcfg, modules, shared.stage_layers, shared, layers, latency, None, promise)
+
+
+def _message_posts(cfg: TrainConfig, model: GPT, device: torch.device) -> tuple[float, float]:
+    """Rank time to post a send and a receive of a block's output (a collective)."""
+    from pipetrain.train.auto import measure_posts
+
+    rows = -(-cfg.batch_size // cfg.microbatches)
+    return measure_posts(rows * model.cfg.seq_len * model.cfg.d_model * 4, device)
+
+
+def _share_promise(
+    env: DistEnv,
+    schedule: Schedule,
+    layers: list[Any],
+    stage_layers: list[list[str]],
+    recompute: Sequence[int],
+    latency: float,
+    posts: tuple[float, float],
+    error: str | None,
+) -> dict[str, Any] | None:
+    """Rank 0's simulated step of the schedule that runs, term by term, on every rank (a
+    collective; None without a profile)."""
+    box: list[Any] = [None]
+    if env.rank == 0 and layers and error is None:
+        from pipetrain.train.auto import cut_costs
+        from pipetrain.train.time_promise import StepTerms, step_promise
+
+        terms = StepTerms({layer.name: layer.optimizer for layer in layers}, send=posts[0], recv=posts[1])
+        try:
+            box[0] = step_promise(cut_costs(layers, stage_layers, recompute, latency), schedule, stage_layers, terms)
+        except (ScheduleError, ValueError) as err:
+            box[0] = {"error": str(err)}
+    dist.broadcast_object_list(box, src=0)
+    promise: dict[str, Any] | None = box[0]
+    return promise
 
 
 def _cut_names(model: GPT, parts: list[nn.Module]) -> list[list[str]]:
@@ -190,7 +234,7 @@ def _median_layers(own: list[Any], profiles: list[list[dict[str, Any]]]) -> list
 
     out = []
     for k, layer in enumerate(own):
-        times = {key: statistics.median(p[k][key] for p in profiles) for key in ("f", "i", "w", "b")}
+        times = {key: statistics.median(p[k][key] for p in profiles) for key in ("f", "i", "w", "b", "optimizer")}
         out.append(replace(layer, **times))
     return out
 

@@ -114,6 +114,7 @@ class TrainResult:
     plan_summary: str | None = None  # --schedule auto: the line that says what was planned
     plan: dict[str, Any] | None = None  # --schedule auto: the plan (cut, recompute, schedule, simulated step, peaks)
     memory: dict[str, Any] | None = None  # one step's measured peak bytes per rank, beside the simulated ones
+    time: dict[str, Any] | None = None  # the measured median step beside the simulated one, term by term
 
 
 def load_data(cfg: TrainConfig) -> TextData:
@@ -196,6 +197,8 @@ def _train(env: DistEnv, cfg: TrainConfig, device: torch.device) -> TrainResult 
     origin = 0.0
     measures = _measures(cfg)
     profile: list[Any] = []
+    optimizer_times: list[float] = []  # this rank's optimizer step and zero_grad, per step
+    step_times: list[float] = []  # this rank's whole step
     try:
         for step in range(start, cfg.steps):
             if step == kill_at:
@@ -212,9 +215,12 @@ def _train(env: DistEnv, cfg: TrainConfig, device: torch.device) -> TrainResult 
                 # (training reads the losses only: the last stage keeps no output, as planned)
                 sched.step(*args, return_outputs=False, **kwargs)
             norm = pipetrain.clip_grad_norm_(params, cfg.clip_grad_norm) if cfg.clip_grad_norm is not None else None
+            t_opt = time.perf_counter()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             dt = time.perf_counter() - t0
+            optimizer_times.append(dt - (t_opt - t0))
+            step_times.append(dt)
             if reporting and result is not None and reporter is not None:
                 loss = float(torch.stack([torch.as_tensor(v).detach().float() for v in kwargs["losses"]]).mean())
                 result.losses.append(loss)
@@ -238,7 +244,9 @@ def _train(env: DistEnv, cfg: TrainConfig, device: torch.device) -> TrainResult 
         if reporter is not None:
             reporter.close()
 
+    timing = _gather_times(step_times, optimizer_times)
     if result is not None:
+        result.time = _time_check(lay.promise, timing)
         _conclude(cfg, result, start, schedule, measured, tokens, device, mcfg)
     dist.barrier()
     if reporting and result is not None and result.reference is not None and not _agrees(result):
@@ -270,6 +278,8 @@ def _conclude(
             from pipetrain.train.layout import memory_line
 
             print(memory_line(result.memory), flush=True)
+        if result.time is not None:
+            print(time_line(result.time), flush=True)
         if cfg.out:
             from pipetrain.train.outputs import write_outputs
 
@@ -289,6 +299,44 @@ def _conclude(
                 model_config=mcfg,
             )
             _report_check(result)
+
+
+def _gather_times(step_times: list[float], optimizer_times: list[float]) -> dict[str, dict[str, float]]:
+    """Every rank's median step and optimizer step (after the first 2 steps), on every rank (a collective)."""
+    from pipetrain.train.time_promise import measured_step
+
+    mine = {"step_s": measured_step(step_times), "optimizer_s": measured_step(optimizer_times)}
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    return {str(rank): part for rank, part in enumerate(parts)}
+
+
+def _time_check(promise: dict[str, Any] | None, timing: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """The measured median step (the slowest rank's) beside the promise, and each rank's optimizer step."""
+    measured = max(t["step_s"] for t in timing.values())
+    out: dict[str, Any] = {"measured_step_s": measured, "ranks": timing}
+    if promise is not None and "step_s" in promise:
+        out["promise"] = promise
+        out["ratio"] = measured / promise["step_s"] if promise["step_s"] > 0 else float("nan")
+    elif promise is not None:
+        out["promise_error"] = promise.get("error")
+    return out
+
+
+def time_line(time_check: dict[str, Any]) -> str:
+    """``step time: measured 271 ms (median), simulated 262 ms (1.03x): compute 240, ...``."""
+    measured = time_check["measured_step_s"] * 1e3
+    promise = time_check.get("promise")
+    if promise is None:
+        return f"step time: measured {measured:.1f} ms (median after 2 steps); no simulated step (no profile)"
+    terms = promise["terms"]
+    ms = {k: promise[k] * 1e3 for k in ("compute_s", "optimizer_s", "step_s")}
+    return (
+        f"step time: measured {measured:.1f} ms (median after 2 steps), simulated {ms['step_s']:.1f} ms "
+        f"({time_check['ratio']:.2f}x): layers and latency {ms['compute_s']:.1f} ms, with the optimizer step "
+        f"{ms['optimizer_s']:.1f} ms, with message posts ({terms['send_s'] * 1e6:.0f}+{terms['recv_s'] * 1e6:.0f} us "
+        f"a message) {ms['step_s']:.1f} ms; not priced: " + "; ".join(promise["left_out"])
+    )
 
 
 def _announce(

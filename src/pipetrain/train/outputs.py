@@ -99,6 +99,9 @@ def write_outputs(
     memory = getattr(result, "memory", None)
     if memory:
         summary["memory"] = memory
+    step_time = getattr(result, "time", None)
+    if step_time:
+        summary["time"] = step_time
     # The schedule the last step trained with (JSON keeps its name): `--schedule FILE` trains it again.
     schedule.to_json(out / "schedule.json")
     written.append(out / "schedule.json")
@@ -218,6 +221,10 @@ def _summary_md(s: dict[str, Any]) -> str:
         lines += _plan_md(s["plan"])
     if s.get("memory"):
         lines += _memory_md(s["memory"])
+    if s.get("time"):
+        from pipetrain.train.loop import time_line
+
+        lines += [time_line(s["time"]) + ".", ""]
     if s.get("schedule_file"):
         lines += [f"The last step's schedule: `pipetrain train --schedule {s['schedule_file']}` runs it again.", ""]
     if "measured_step_s" in s:

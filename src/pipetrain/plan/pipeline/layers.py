@@ -11,7 +11,7 @@ JSON (``.json``)::
                  "activation_bytes": 0, "output_bytes": 67108864, "static_bytes": 8.4e9}, ...]}
 
 (a bare list of layer objects reads too). CSV (``.csv``): a header row naming the columns
-``name,f,i,w,activation_bytes,output_bytes,static_bytes,weight_grad_bytes,workspace_bytes,i_workspace_bytes,i_saved_bytes``
+``name,f,i,w,activation_bytes,output_bytes,static_bytes,weight_grad_bytes,workspace_bytes,i_workspace_bytes,i_saved_bytes,optimizer``
 (``b`` may replace ``i`` and ``w``; only ``name`` and ``f`` are required, a missing byte column
 is 0, but ``weight_grad_bytes`` defaults to ``activation_bytes`` and ``i_workspace_bytes`` to
 ``workspace_bytes``: files written before the last three columns existed read as they did), one
@@ -30,7 +30,7 @@ import math
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pipetrain.plan.errors import ScheduleError
@@ -43,6 +43,7 @@ __all__ = [
     "read_layers",
     "read_layers_meta",
     "static_bytes_for",
+    "with_optimizer",
     "write_layers",
 ]
 
@@ -60,6 +61,7 @@ _FIELDS = (
     "workspace_bytes",
     "i_workspace_bytes",
     "i_saved_bytes",
+    "optimizer",
 )
 
 BYTES_PER_PARAMETER: dict[tuple[str, str], int] = {
@@ -125,6 +127,11 @@ class LayerCost:
     stage's whole I ends (so while a stage's I runs, the layers it already went through still
     hold theirs). A stage's workspace is the largest of its layers' ``workspace_bytes`` and, over
     its layers k, of ``i_workspace_bytes[k]`` plus the ``i_saved_bytes`` of its layers after k.
+
+    ``optimizer``: the time, per training step (not per microbatch), of the optimizer's update of
+    the layer's parameters and their ``zero_grad`` (0: not measured). A step pays it once per
+    rank after the pipeline; :func:`with_optimizer` spreads it over the step's microbatches' W
+    and B, which is how a planner prices it.
     """
 
     name: str
@@ -139,6 +146,7 @@ class LayerCost:
     workspace_bytes: float = 0.0
     i_workspace_bytes: float | None = None
     i_saved_bytes: float = 0.0
+    optimizer: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
@@ -171,6 +179,7 @@ class LayerCost:
             "static_bytes": _number(owner, "static_bytes", self.static_bytes),
             "workspace_bytes": _number(owner, "workspace_bytes", self.workspace_bytes),
             "i_saved_bytes": _number(owner, "i_saved_bytes", self.i_saved_bytes),
+            "optimizer": _number(owner, "optimizer", self.optimizer),
         }
         wgrad = self.weight_grad_bytes
         values["weight_grad_bytes"] = values["activation_bytes"] if wgrad is None else _number(owner, "wgrad", wgrad)
@@ -192,6 +201,26 @@ class LayerCost:
 
     def to_dict(self) -> dict[str, Any]:
         return {key: getattr(self, key) for key in _FIELDS}
+
+
+def with_optimizer(layers: Iterable[LayerCost], num_microbatches: int) -> list[LayerCost]:
+    """``layers`` with each one's ``optimizer`` time spread over a step's ``num_microbatches``: its
+    ``w`` and ``b`` (where each microbatch makes its weight gradients) grow by ``optimizer /
+    num_microbatches`` and ``optimizer`` becomes 0, so that it is counted once.
+
+    A step is the pipeline and then each rank's optimizer step, and the next step waits for the
+    slowest rank: an embedding or a head holding as many parameters as several blocks makes the
+    rank holding it slower than its compute says. Priced in W, the planner balances whole
+    training steps, optimizer included (on every rank but the first, the next step's first
+    actions overlap the optimizer step, as a bubble absorbs part of a W)."""
+    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise ScheduleError(f"num_microbatches must be an int >= 1, got {num_microbatches!r}")
+    out = []
+    for layer in as_layers(layers):
+        share = layer.optimizer / num_microbatches
+        assert layer.w is not None and layer.b is not None and layer.i is not None
+        out.append(replace(layer, w=layer.w + share, b=layer.b + share, i=layer.i, optimizer=0.0))
+    return out
 
 
 def as_layers(layers: Iterable[LayerCost]) -> list[LayerCost]:
