@@ -16,11 +16,19 @@ scores with it). Per rank:
   it ends; between stages of one rank a gradient is held from the I/B that makes it until the
   I/B that uses it ends;
 - *static*: the sum of ``static_bytes`` of the rank's stages, held throughout;
-- *transient*: the largest ``transient_bytes`` of the rank's stages with a backward, what an
-  action allocates and frees by its end (a recomputed stage's rebuilt activations, a layer's
-  workspace: a rank runs one action at a time).
+- *transient*: while a compute action (F, B, I, W, or an overlapped pair) of a stage with a
+  backward runs, that stage's ``transient_bytes`` (a pair: its parts' largest): what the action
+  allocates beyond what is held before and after it and frees by its end (a recomputed stage's
+  rebuilt activations, a layer's workspace). It counts at that action's own time, on what is
+  held then: from the action's start (before its own allocations) until what it leaves at its
+  end is counted (after its frees).
 
-peak bytes = static + the peak over time of activations and buffers + transient.
+peak bytes = static + the peak over time of (activations and buffers held + the transient of the
+action running then, if any). A transient is counted on the most held at any moment of its
+action, so the promise bounds a step that reaches its transient at the worst moment; it no longer
+adds a rank's largest transient to a peak of held bytes that no action of that stage overlaps
+(issue 37: 1F1B's first rank was promised 0.87 of what it held, its peak of held bytes falling
+between actions, with received gradients posted early, and its transient inside a B).
 """
 
 from __future__ import annotations
@@ -29,7 +37,17 @@ from dataclasses import dataclass
 
 from pipetrain.plan.actions import Action, ActionKind
 from pipetrain.plan.costs import Costs
-from pipetrain.plan.dependencies import C_B, C_F, C_I, C_RECV_B, C_RECV_F, C_SEND_B, C_SEND_F, CODE
+from pipetrain.plan.dependencies import (
+    C_B,
+    C_F,
+    C_I,
+    C_OVERLAP,
+    C_RECV_B,
+    C_RECV_F,
+    C_SEND_B,
+    C_SEND_F,
+    CODE,
+)
 
 __all__ = ["Cells", "Peaks", "peak_memory", "record_part"]
 
@@ -42,6 +60,10 @@ _LATE = 1 << 62  # event order of a delivery: after everything a rank starts at 
 _MADE = 0.25
 Event = tuple[int, Action, float, float, int]  # (rank, action, start, end, predecessor)
 Change = tuple[float, float, int, int, float]  # (time, event order, 0 alloc | 1 free, count delta, bytes delta)
+# A compute action's transient is a pair of markers among a rank's changes, (time, event order,
+# flag, 0, transient bytes): _OPEN sorts before the action's own allocation at its start, _CLOSE
+# after what it leaves at its end (its event order + _MADE).
+_OPEN, _CLOSE = -1, 2
 Key = tuple[int, int, int]  # a message's SEND or RECV: (kind code, stage, microbatch)
 
 
@@ -120,23 +142,81 @@ def peak_memory(
         _kept_outputs(per_rank[rank_of[-1]], cells, n_mb, costs.per_stage("message_bytes", n_st)[-1], outputs_until)
     peaks = Peaks({}, {}, {} if in_bytes else None, {} if in_bytes else None)
     static = _per_rank_sum(costs, "static_bytes", rank_of, n_rk)
-    transient = _per_rank_max(costs, "transient_bytes", rank_of, n_rk, cells, n_mb)
+    throughout = _transients(per_rank, rank_of, n_mb, cells, costs, events)
     for r in range(n_rk):
-        held = best = 0
-        held_b = best_b = 0.0
-        at = at_b = 0.0
-        for t, _, _, dc, db in sorted(per_rank[r]):
+        best, at, best_b, at_b = _sweep(per_rank[r])
+        peaks.count[r], peaks.count_time[r] = best, at
+        if peaks.bytes is not None and peaks.bytes_time is not None:
+            peaks.bytes[r] = static[r] + best_b + throughout[r]
+            peaks.bytes_time[r] = at_b
+    return peaks
+
+
+def _sweep(changes: list[Change]) -> tuple[int, float, float, float]:
+    """(peak count, its time, peak bytes with the running action's transient, its time) of one
+    rank's changes, in their order."""
+    held = best = 0
+    held_b = best_b = running = 0.0
+    at = at_b = 0.0
+    for t, _, flag, dc, db in sorted(changes):
+        if flag == _CLOSE:
+            running = 0.0
+            continue
+        if flag == _OPEN:
+            running = db
+        else:
             held += dc
             if held > best:
                 best, at = held, t
             held_b += db
-            if held_b > best_b:
-                best_b, at_b = held_b, t
-        peaks.count[r], peaks.count_time[r] = best, at
-        if peaks.bytes is not None and peaks.bytes_time is not None:
-            peaks.bytes[r] = static[r] + best_b + transient[r]
-            peaks.bytes_time[r] = at_b
-    return peaks
+        if held_b + running > best_b:
+            best_b, at_b = held_b + running, t
+    return best, at, best_b, at_b
+
+
+def _transients(
+    per_rank: list[list[Change]], rank_of: list[int], n_mb: int, cells: Cells, costs: Costs, events: list[Event] | None
+) -> list[float]:
+    """Each compute action's transient as markers among ``per_rank``'s changes (module docs);
+    without ``events`` (no action times) each rank's largest, returned to hold throughout."""
+    throughout = [0.0] * len(per_rank)
+    if costs.transient_bytes is None:
+        return throughout
+    transient = _stage_transients(costs, cells, n_mb, len(rank_of))
+    if events is not None:
+        _transient_markers(per_rank, transient, events)
+        return throughout
+    for s, value in enumerate(transient):
+        if rank_of[s] >= 0:
+            throughout[rank_of[s]] = max(throughout[rank_of[s]], value)
+    return throughout
+
+
+def _stage_transients(costs: Costs, cells: Cells, n_mb: int, n_st: int) -> list[float]:
+    """Per stage, its ``transient_bytes`` where it runs a backward (else 0: a forward-only step
+    keeps none of what a backward allocates)."""
+    values = costs.per_stage("transient_bytes", n_st)
+    grad_end = cells.grad_end
+    return [values[s] if any(grad_end[s * n_mb + m] is not None for m in range(n_mb)) else 0.0 for s in range(n_st)]
+
+
+def _transient_markers(per_rank: list[list[Change]], transient: list[float], events: list[Event]) -> None:
+    """Each compute action's transient, from its start to its end (module docs), as markers."""
+    if not any(transient):
+        return
+    codes = CODE
+    for eid, (rank, action, start, end, _) in enumerate(events):
+        code = codes[action.kind]
+        if code > C_OVERLAP:
+            continue
+        if code == C_OVERLAP:
+            value = max(transient[part.stage] for part in action.parts)
+        else:
+            value = transient[action.stage]
+        if value > 0.0:
+            changes = per_rank[rank]
+            changes.append((start, eid, _OPEN, 0, value))
+            changes.append((end, eid + _MADE, _CLOSE, 0, value))
 
 
 def _kept_outputs(changes: list[Change], cells: Cells, n_mb: int, size: float, end: float) -> None:
@@ -155,16 +235,6 @@ def _per_rank_sum(costs: Costs, name: str, rank_of: list[int], n_rk: int) -> lis
         for s, value in enumerate(costs.per_stage(name, len(rank_of))):
             if rank_of[s] >= 0:
                 out[rank_of[s]] += value
-    return out
-
-
-def _per_rank_max(costs: Costs, name: str, rank_of: list[int], n_rk: int, cells: Cells, n_mb: int) -> list[float]:
-    out = [0.0] * n_rk
-    if getattr(costs, name) is not None:
-        for s, value in enumerate(costs.per_stage(name, len(rank_of))):
-            backward = any(cells.grad_end[s * n_mb + m] is not None for m in range(n_mb))
-            if rank_of[s] >= 0 and backward:
-                out[rank_of[s]] = max(out[rank_of[s]], value)
     return out
 
 

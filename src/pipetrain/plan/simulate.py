@@ -16,9 +16,10 @@ Semantics (docs/semantics.md, "Simulation"):
   durations, and its parts' outputs are ready when it ends.
 - Memory (:mod:`pipetrain.plan.memory`): the activation of (s,m) is held on rank(s) from the
   start of F(s,m) until the end of B(s,m), or of W(s,m) when the backward is split; forward-only
-  schedules free it when F ends. With byte costs, message buffers, static and transient bytes
-  count too. At equal times a rank's allocations and frees count in its program order (an action
-  ending when the next starts frees first), so zero-duration actions still hold memory.
+  schedules free it when F ends. With byte costs, message buffers and static bytes count too,
+  and a compute action's stage's transient bytes while that action runs. At equal times a rank's
+  allocations and frees count in its program order (an action ending when the next starts frees
+  first), so zero-duration actions still hold memory.
 - ``busy`` is time spent in compute actions; ``bubble`` = 1 - busy / (ranks * makespan).
 
 The times form a longest-path problem over a DAG (rank order plus data edges), solved by one
@@ -74,11 +75,11 @@ class SimResult:
 
     ``peak_memory[rank]`` is the peak number of (stage, microbatch) activations held, reached
     first at ``peak_memory_time[rank]``; ``peak_memory_bytes`` is set when the costs give any
-    byte size: static bytes + the peak of activations and message buffers + the largest transient
-    (:mod:`pipetrain.plan.memory`). ``costs`` are the per-stage costs simulated (a rank's share
-    cut into this schedule's stages). ``lower_bound`` is a makespan no order of these actions can beat:
-    the larger of the longest dependency chain and, over ranks, the rank's compute time plus
-    the earliest time its first input can arrive.
+    byte size: static bytes + the peak over time of activations and message buffers held plus the
+    transient of the action running then (:mod:`pipetrain.plan.memory`). ``costs`` are the
+    per-stage costs simulated (a rank's share cut into this schedule's stages). ``lower_bound`` is
+    a makespan no order of these actions can beat: the larger of the longest dependency chain
+    and, over ranks, the rank's compute time plus the earliest time its first input can arrive.
     """
 
     schedule_name: str

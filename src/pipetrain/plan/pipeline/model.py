@@ -2,15 +2,17 @@
 
 The memory model is docs/semantics.md's "Planning the whole pipeline" and
 :mod:`pipetrain.plan.memory`'s (which :func:`~pipetrain.plan.simulate` applies): per rank, static
-bytes + the peak of held activations and message buffers + the largest transient. The planner
-scores thousands of cuts, so it uses a fast form here: a rank's peak of held activations under
-an order is the largest ``sum(count[s] * held[s])`` over the counts of (stage, microbatch)
-activations the order holds at once (a property of the order alone, computed once per order), a
-received input is held with its stage's activation, and the other message buffers add a margin
-of one of each. A stage's transient is what one of its backward passes rebuilds when it
-recomputes plus its workspace (:meth:`Profile.workspace`: its layers' largest, with what a split
-backward keeps of the others until the stage's I ends), a rank's the largest of its stages',
-exactly as :meth:`StageValues.costs` gives ``simulate``.
+bytes + the peak over time of (held activations and message buffers + the transient of the action
+running then). The planner scores thousands of cuts, so it uses a fast form here: an order's
+states are the counts of (stage, microbatch) held before their I or B ends and after their I
+(until W), seen while each action runs, before and after it (a property of the order alone,
+computed once per order: :func:`count_vectors`); a rank's peak is the largest
+``sum(counts * held) + transient[acting stage]`` over them (:func:`vector_peak`), a stage's held
+bytes being its activation (a recomputed stage: its input) before its I ends and what W reads
+(``weight_grad_bytes``) from there to W, a received input with both. The other message buffers
+add a margin of one of each. A stage's transient is what one of its backward passes rebuilds when
+it recomputes plus its workspace (:meth:`Profile.workspace`: its layers' largest), counted while
+one of its actions runs, exactly as :meth:`StageValues.costs` gives ``simulate``.
 Every plan it returns is then simulated, and only one whose simulated peak fits is returned.
 """
 
@@ -21,15 +23,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import combinations, pairwise
 
-from pipetrain.plan.autoplan.problem import KIND_B, KIND_F, KIND_W, Orders, Problem
+from pipetrain.plan.autoplan.problem import KIND_B, KIND_F, KIND_I, KIND_W, Orders, Problem
 from pipetrain.plan.costs import Costs
 from pipetrain.plan.pipeline.cuts import Cut
 from pipetrain.plan.pipeline.layers import LayerCost
 
-__all__ = ["Profile", "StageValues", "count_vectors", "masks_of"]
+__all__ = ["Profile", "StageValues", "count_vectors", "masks_of", "vector_peak"]
 
-Vectors = list[tuple[int, ...]]
-"""Per rank: the counts of activations held at once, one entry per stage of the rank (Pareto-maximal)."""
+Vectors = list[tuple[int, tuple[int, ...]]]
+"""One rank's states under an order: (the acting stage's position among the rank's stages, the
+counts held then). The counts are two per stage of the rank, in the rank's stage order: first the
+(stage, microbatch) held before their I (or B) ends, then those held after their I until W
+(Pareto-maximal per acting stage)."""
 
 
 class Profile:
@@ -141,9 +146,14 @@ class StageValues:
         )
 
     def held(self, s: int, recompute: frozenset[int] | set[int]) -> float:
-        """What a microbatch of stage ``s`` holds at most between its F and its last backward (the
-        fast checks' unit): a recomputed stage its input, then W's operands after I."""
-        return max(self.inp[s], self.wgrad[s]) if s in recompute else self.act[s]
+        """What a microbatch of stage ``s`` holds from its F's start until its I (or B) ends: its
+        activation, a recomputed stage its input (``activation_bytes`` of :meth:`costs`)."""
+        return self.inp[s] if s in recompute else self.act[s]
+
+    def held_after_i(self, s: int) -> float:
+        """What a microbatch of stage ``s`` holds from its I's end until its W ends: what W reads
+        (``weight_grad_bytes``), with or without recompute."""
+        return self.wgrad[s]
 
     def least_time(self, s: int) -> float:
         """Stage ``s``'s least compute per microbatch without recompute: F and the cheaper backward."""
@@ -166,24 +176,48 @@ def masks_of(stages: tuple[int, ...]) -> tuple[frozenset[int], ...]:
 
 
 def count_vectors(problem: Problem, orders: Orders, rank_stages: Sequence[Sequence[int]]) -> list[Vectors]:
-    """Per rank, the Pareto-maximal counts of activations held at once by ``orders``, one entry
-    per stage of ``rank_stages[rank]`` (a peak in bytes is the largest dot product with them)."""
+    """Per rank, the states of ``orders`` (see :data:`Vectors`): before and after each action,
+    what it holds while it runs, as :mod:`pipetrain.plan.memory` counts it (an F holds its
+    activation from its start; an I trades it for what W reads at its end; W and B free at theirs)."""
     n_mb = problem.num_microbatches
     sm = problem.num_stages * n_mb
     out: list[Vectors] = []
     for rank, program in enumerate(orders):
         stages = list(rank_stages[rank])
+        width = len(stages)
         pos = {s: k for k, s in enumerate(stages)}
-        counts = [0] * len(stages)
-        seen: set[tuple[int, ...]] = set()
+        counts = [0] * (2 * width)
+        seen: list[set[tuple[int, ...]]] = [set() for _ in stages]
         for code in program:
             kind, rest = divmod(code, sm)
             k = pos[rest // n_mb]
             if kind == KIND_F:
                 counts[k] += 1
-                seen.add(tuple(counts))
-            elif kind == KIND_W or kind == KIND_B:
-                counts[k] -= 1
-        maximal = [v for v in seen if not any(u != v and all(a >= b for a, b in zip(u, v, strict=True)) for u in seen)]
-        out.append(sorted(maximal) or [tuple([0] * len(stages))])
+            else:
+                seen[k].add(tuple(counts))
+                if kind == KIND_I:
+                    counts[k] -= 1
+                    counts[width + k] += 1
+                elif kind == KIND_W:
+                    counts[width + k] -= 1
+                elif kind == KIND_B:
+                    counts[k] -= 1
+                if kind != KIND_I:
+                    continue
+            seen[k].add(tuple(counts))
+        states: Vectors = []
+        for k, found in enumerate(seen):
+            states += [(k, v) for v in sorted(_maximal(found))]
+        out.append(states or [(0, tuple([0] * (2 * width)))])
     return out
+
+
+def _maximal(vectors: set[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """The Pareto-maximal ones of ``vectors``."""
+    return [v for v in vectors if not any(u != v and all(a >= b for a, b in zip(u, v, strict=True)) for u in vectors)]
+
+
+def vector_peak(states: Vectors, held: Sequence[float], transient: Sequence[float]) -> float:
+    """A rank's peak of held bytes with the acting stage's transient over ``states``: ``held`` per
+    count (the rank's stages before I, then after I), ``transient`` per stage of the rank."""
+    return max(transient[k] + sum(c * h for c, h in zip(vec, held, strict=True)) for k, vec in states)

@@ -7,11 +7,11 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
-from pipetrain.plan.autoplan.problem import KIND_B, KIND_F, KIND_W, Orders, Problem
+from pipetrain.plan.autoplan.problem import KIND_B, KIND_F, KIND_I, KIND_W, Orders, Problem
 from pipetrain.plan.pipeline.cuts import Cut, sizes_of, traced_cut
-from pipetrain.plan.pipeline.model import Profile, StageValues, Vectors, masks_of
+from pipetrain.plan.pipeline.model import Profile, StageValues, Vectors, masks_of, vector_peak
 from pipetrain.plan.pipeline.space import Candidate, HandSplit, Layout, Named
 from pipetrain.plan.schedule import Schedule
 from pipetrain.plan.simulate import SimResult, simulate
@@ -110,9 +110,8 @@ class Scoring:
             t = base_time + sum(sv.f[s] for s in mask)  # (rebuilt once, in I or B)
             if best is not None and t > best[0] + _EPS:
                 continue
-            held = [sv.held(s, mask) + (sv.inp[s] if layout.cross_in(s) else 0.0) for s in stages]
-            peak = max(sum(c * h for c, h in zip(vec, held, strict=True)) for vec in vectors)
-            need = static + peak + sv.rank_transient(stages, mask) + margin
+            peak = vector_peak(vectors, _held(layout, sv, stages, mask), [sv.transient(s, mask) for s in stages])
+            need = static + peak + margin
             if self.limit is not None and need > self.limit + _EPS:
                 continue
             if best is None or t < best[0] - _EPS or need < best[2]:
@@ -120,8 +119,9 @@ class Scoring:
         return best
 
     def least_need(self, layout: Layout, sv: StageValues, r: int) -> float:
-        """The least memory rank ``r`` needs: one microbatch of each of its stages held, at the
-        recompute choice that needs least (fast model)."""
+        """The least memory rank ``r`` needs: one microbatch of each of its stages held (each
+        backward as one B, so what W reads is never held beside it) with its largest transient,
+        at the recompute choice that needs least (fast model)."""
         stages = layout.rank_stages[r]
         static = sum(sv.static[s] for s in stages) + self.margin(layout, sv, r)
         least = _INF
@@ -173,13 +173,15 @@ class Scoring:
         i = [sv.i[s] + extra[s] for s in range(n)]
         w = list(sv.w)
         b = [sv.b[s] + extra[s] for s in range(n)]
-        held = [sv.held(s, recompute) + (sv.inp[s] if layout.cross_in(s) else 0.0) for s in range(n)]
+        held = _held(layout, sv, range(n), recompute)
         if not budgeted or self.limit is None:
             got = self._problems.get(key)
             if got is None:
-                got = self._problems[key] = layout.base.retimed(f, i, w, held, None, b)
+                got = self._problems[key] = layout.base.retimed(f, i, w, held[:n], None, b, held_after_i=held[n:])
             return got
-        weight = [0.0] * n
+        # (The construction's problem holds a rank's largest transient throughout: it cannot place
+        # one per action. What it returns is checked by fits() and simulate, which do.)
+        weight, after_i = [0.0] * n, [0.0] * n
         for r, stages in enumerate(layout.rank_stages):
             static = sum(sv.static[s] for s in stages)
             budget = self.limit - static - sv.rank_transient(stages, recompute) - self.margin(layout, sv, r)
@@ -187,33 +189,50 @@ class Scoring:
                 return None
             for s in stages:
                 weight[s] = float(math.ceil(held[s] / budget * _WEIGHT_UNITS - 1e-9))
-        return layout.base.retimed(f, i, w, weight, float(_WEIGHT_UNITS), b)
+                after_i[s] = float(math.ceil(held[n + s] / budget * _WEIGHT_UNITS - 1e-9))
+        return layout.base.retimed(f, i, w, weight, float(_WEIGHT_UNITS), b, held_after_i=after_i)
 
     def fits(
         self, layout: Layout, cut: Cut, recompute: frozenset[int], orders: Orders, optimistic: bool = False
     ) -> bool:
-        """Whether ``orders`` fit every rank's memory (fast model) with this recompute set."""
+        """Whether ``orders`` fit every rank's memory (fast model, :meth:`rank_needs`) with this
+        recompute set."""
         if self.limit is None:
             return True
+        needs = self.rank_needs(layout, cut, recompute, orders, optimistic)
+        return all(need <= self.limit + _EPS for need in needs)
+
+    def rank_needs(
+        self, layout: Layout, cut: Cut, recompute: frozenset[int], orders: Orders, optimistic: bool = False
+    ) -> list[float]:
+        """Per rank, the memory ``orders`` need (fast model): static bytes, the most held while
+        each action runs (before and after it) with its stage's transient, as
+        :mod:`pipetrain.plan.memory` counts them, and the buffer margin (``optimistic``: none).
+        Without message bytes this is ``simulate``'s peak."""
         sv = self.values(cut)
-        sm = layout.num_stages * self.M
+        n = layout.num_stages
+        sm = n * self.M
+        held = _held(layout, sv, range(n), recompute)
+        transient = [sv.transient(s, recompute) for s in range(n)]
+        needs: list[float] = []
         for r, program in enumerate(orders):
-            stages = layout.rank_stages[r]
-            held = {s: sv.held(s, recompute) + (sv.inp[s] if layout.cross_in(s) else 0.0) for s in stages}
             now = peak = 0.0
             for code in program:
                 kind, rest = divmod(code, sm)
+                s = rest // self.M
+                before = now
                 if kind == KIND_F:
-                    now += held[rest // self.M]
-                    peak = max(peak, now)
-                elif kind == KIND_W or kind == KIND_B:
-                    now -= held[rest // self.M]
-            static = sum(sv.static[s] for s in stages)
-            transient = sv.rank_transient(stages, recompute)
-            margin = 0.0 if optimistic else self.margin(layout, sv, r)
-            if static + peak + transient + margin > self.limit + _EPS:
-                return False
-        return True
+                    now += held[s]
+                elif kind == KIND_I:
+                    now += held[n + s] - held[s]
+                elif kind == KIND_W:
+                    now -= held[n + s]
+                elif kind == KIND_B:
+                    now -= held[s]
+                peak = max(peak, max(before, now) + transient[s])
+            static = sum(sv.static[s] for s in layout.rank_stages[r])
+            needs.append(static + peak + (0.0 if optimistic else self.margin(layout, sv, r)))
+        return needs
 
     # ------------------------------------------------------------ scores
     def true_score(self, layout: Layout, cut: Cut) -> Candidate | None:
@@ -332,9 +351,11 @@ class Scoring:
         sv = self.values(cut)
         out = 0.0
         for r, stages in enumerate(layout.rank_stages):
-            held = [sv.act[s] + (sv.inp[s] if layout.cross_in(s) else 0.0) for s in stages]
-            peak = max(sum(c * h for c, h in zip(vec, held, strict=True)) for vec in named.vectors[r])
-            need = sum(sv.static[s] for s in stages) + peak + sv.rank_transient(stages, frozenset())
+            none = frozenset[int]()
+            peak = vector_peak(
+                named.vectors[r], _held(layout, sv, stages, none), [sv.transient(s, none) for s in stages]
+            )
+            need = sum(sv.static[s] for s in stages) + peak
             out = max(out, need + self.margin(layout, sv, r))
         return out
 
@@ -350,7 +371,7 @@ class Scoring:
         back = [[0] * (n + 1) for _ in range(n_st + 1)]
         best[0][0] = (0.0, 0.0)
         for s in range(n_st):
-            counts = max(vec[0] for vec in vectors[s])
+            counts = [vec for _, vec in vectors[s]]  # (held before I, after I) pairs
             for i in range(s + 1, n - (n_st - s - 1) + 1):
                 top, arg = inf, -1
                 for j in range(s, i):
@@ -369,9 +390,9 @@ class Scoring:
             return None
         return traced_cut(back, n, n_st)
 
-    def _stage_time(self, a: int, b: int, s: int, n_st: int, count: int) -> float:
+    def _stage_time(self, a: int, b: int, s: int, n_st: int, counts: list[tuple[int, ...]]) -> float:
         """Time of layers a..b as stage s of n_st (one per rank) at its cheapest recompute choice
-        that fits with ``count`` activations held; inf if neither fits."""
+        that fits with ``counts`` held (pairs: before I ends, after I until W); inf if neither fits."""
         p = self.profile
         f = p.pf[b] - p.pf[a]
         t = f + min(p.pb[b] - p.pb[a], p.pi[b] - p.pi[a] + p.pw[b] - p.pw[a])
@@ -379,12 +400,26 @@ class Scoring:
             return t
         static = p.ps[b] - p.ps[a] + p.workspace(a, b)  # with the transient every choice has
         act = p.pa[b] - p.pa[a]
+        wgrad = p.pg[b] - p.pg[a]
         inp = p.out[a - 1] if a > 0 else 0.0
         msg = p.out[b - 1]
         margin = (2 * msg if s + 1 < n_st else 0.0) + inp
         recv = inp if a > 0 else 0.0
-        if static + count * (act + recv) + margin <= self.limit + _EPS:
+
+        def need(before_i: float) -> float:
+            return static + margin + max(c[0] * (before_i + recv) + c[1] * (wgrad + recv) for c in counts)
+
+        if need(act) <= self.limit + _EPS:
             return t
-        if static + count * (inp + recv) + act + margin <= self.limit + _EPS:
+        if need(inp) + act <= self.limit + _EPS:  # recompute: holds its input, rebuilds in its backward
             return t + f
         return _INF
+
+
+def _held(layout: Layout, sv: StageValues, stages: Iterable[int], recompute: frozenset[int]) -> list[float]:
+    """What one microbatch of each of ``stages`` holds before its I (or B) ends, then after its I
+    until W, each with the input it received from another rank (kept for its backward)."""
+    listed = list(stages)
+    recv = [sv.inp[s] if layout.cross_in(s) else 0.0 for s in listed]
+    before = [sv.held(s, recompute) + x for s, x in zip(listed, recv, strict=True)]
+    return before + [sv.held_after_i(s) + x for s, x in zip(listed, recv, strict=True)]

@@ -379,11 +379,21 @@ class Search(Scoring):
 
 
 def _caps(layout: Layout) -> list[list[Vectors]]:
-    """Pseudo-orders holding at most c activations of each stage at once (c = 1 .. ranks): what
-    list scheduling with a cap on microbatches in flight reaches, for the surrogate only."""
+    """Pseudo-orders holding at most c microbatches of each stage at once (c = 1 .. ranks), all
+    before their I or all after it (whichever holds more), any stage acting: what list scheduling
+    with a cap on microbatches in flight reaches, for the surrogate only."""
     out = []
     for c in range(1, layout.num_ranks + 1):
-        out.append([[tuple([c] * len(stages))] for stages in layout.rank_stages])
+        per_rank: list[Vectors] = []
+        for stages in layout.rank_stages:
+            k = len(stages)
+            splits = [
+                tuple(c if not (bits >> j) & 1 else 0 for j in range(k))
+                + tuple(c if (bits >> j) & 1 else 0 for j in range(k))
+                for bits in range(1 << k)
+            ]
+            per_rank.append([(acting, vec) for acting in range(k) for vec in splits])
+        out.append(per_rank)
     return out
 
 
