@@ -195,3 +195,31 @@ def test_timeline_terms_split_a_rank_into_compute_posts_and_gaps() -> None:
     assert terms["ready_gap"] == pytest.approx(0.25)
     assert terms["send_post"] == pytest.approx(0.075)
     assert terms["recv_post"] == pytest.approx(0.15)
+
+
+# ----------------------------------------------------------------------------- the plan's summary
+
+
+def test_the_plans_summary_says_what_its_makespan_prices_and_leaves_out() -> None:
+    apart = plan_pipeline(_layers(optimizer=0.5), 2, 4, None, comm=0.1, time_limit=1)
+    terms = apart.summary()["makespan_terms"]
+    assert terms == apart.step_terms()
+    assert any("compute" in t for t in terms["prices"]) and any("comm 0.1" in t for t in terms["prices"])
+    assert any("optimizer step (3.5 in all" in t for t in terms["leaves_out"])
+    assert any("posting a message" in t for t in terms["leaves_out"])
+    assert any("per action" in t for t in terms["leaves_out"])
+    spread = plan_pipeline(with_optimizer(_layers(optimizer=0.5), 4), 2, 4, None, comm=0.1, time_limit=1)
+    assert any("optimizer step where" in t for t in spread.step_terms()["prices"])
+    assert not any("optimizer" in t for t in spread.step_terms()["leaves_out"])
+
+
+def test_pipetrain_plan_prices_a_layers_files_optimizer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from pipetrain.cli import main
+
+    path = tmp_path / "layers.json"
+    write_layers(path, _layers(optimizer=0.5))
+    main(["plan", "--layers", str(path), "-p", "1", "-m", "4", "--json", "--time-limit", "1"])
+    summary = json.loads(capsys.readouterr().out)
+    without = plan_pipeline(_layers(), 1, 4, None, time_limit=1).makespan
+    assert summary["makespan"] == pytest.approx(without + 3.5)
+    assert any("optimizer step where" in t for t in summary["makespan_terms"]["prices"])

@@ -18,6 +18,7 @@ from pipetrain.plan.pipeline import (
     read_layers,
     read_layers_meta,
 )
+from pipetrain.plan.pipeline.layers import with_optimizer
 
 __all__ = ["LAYERS_HELP", "memory_limit_bytes", "plan_layers"]
 
@@ -53,7 +54,8 @@ def plan_layers(args: argparse.Namespace) -> int:
     if not (math.isfinite(args.time_limit) and args.time_limit > 0):
         raise ScheduleError(f"--time-limit must be a finite number of seconds > 0, got {args.time_limit:g}")
     limit = memory_limit_bytes(args.memory_limit)
-    layers = read_layers(args.layers)
+    # A layers file's optimizer times (pipetrain profile measures them) are priced in W and B.
+    layers = with_optimizer(read_layers(args.layers), args.microbatches)
     meta = read_layers_meta(args.layers)
     comm = args.comm
     if comm is None:
@@ -126,6 +128,8 @@ def _print_plan(plan: PipelinePlan, args: argparse.Namespace, meta: dict[str, An
             f"{format_bytes(held[s]):>11} "
             f"{format_bytes(static[s]):>11}  {'yes' if s in plan.recompute else ''}"
         )
+    terms = plan.step_terms()
+    print(f"  makespan prices {', '.join(terms['prices'])}; leaves out {', '.join(terms['leaves_out'])}")
     peaks = "  ".join(f"r{r} {format_bytes(b)}" for r, b in sorted(plan.peak_memory_bytes.items()))
     print(f"peak memory per rank: {peaks}")
     lowered = max(plan.lowered_peak_memory_bytes().values(), default=0.0)

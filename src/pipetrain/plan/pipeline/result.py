@@ -106,6 +106,31 @@ class PipelinePlan(Plan):
             )
         return megatron_layout(self.stage_layers, symbols)
 
+    def step_terms(self) -> dict[str, list[str]]:
+        """What ``makespan`` prices and what it leaves out of a training step, in words.
+
+        It prices each action's compute (the layers' f, b, i, w, a recomputed stage's rebuild)
+        and the message latency (``comm``); the optimizer step where the layers' w and b carry it
+        (:func:`~pipetrain.plan.pipeline.layers.with_optimizer`); it leaves out an optimizer
+        step the layers still hold apart (their ``optimizer``), posting messages (``Costs.send``
+        and ``recv``, the lowered schedule's) and a runtime's time per action
+        (``Costs.action_overhead``), which ``pipetrain train`` prices in its step promise."""
+        prices = ["compute (the layers' f, b, i, w)", f"message latency (comm {self.costs.comm:.4g})"]
+        leaves_out: list[str] = []
+        apart = sum(layer.optimizer for layer in self.layers)
+        if apart > 0:
+            leaves_out.append(
+                f"the optimizer step ({apart:.4g} in all, held apart in the layers' optimizer: "
+                "plan with with_optimizer(layers, num_microbatches) to price it)"
+            )
+        else:
+            prices.append("the optimizer step where the layers' w and b carry it (with_optimizer)")
+        for name, what in (("send", "posting a message"), ("action_overhead", "a runtime's time per action")):
+            value = getattr(self.costs, name)
+            (prices if value else leaves_out).append(f"{what} ({name} {value:.4g})" if value else what)
+        leaves_out.append("the training loop's own time (drawing data, reading losses)")
+        return {"prices": prices, "leaves_out": leaves_out}
+
     def summary(self) -> dict[str, Any]:
         """A JSON-ready summary (what ``pipetrain plan --layers ... --json`` prints)."""
         try:
@@ -124,6 +149,7 @@ class PipelinePlan(Plan):
             "stage_to_rank": {str(s): r for s, r in sorted(self.stage_to_rank.items())},
             "recompute": sorted(self.recompute),
             "makespan": self.makespan,
+            "makespan_terms": self.step_terms(),
             "bubble": self.bubble,
             "peak_memory_bytes": {str(r): v for r, v in sorted(self.peak_memory_bytes.items())},
             "lowered_peak_memory_bytes": {str(r): v for r, v in sorted(self.lowered_peak_memory_bytes().items())},
