@@ -20,9 +20,10 @@ reproduces the planner's makespan and memory. ``memory_limit`` is in bytes when 
 units of one microbatch's activations of a stage (plain ``Costs(...)``) or of a rank's whole share
 (``per_rank`` or sequences; 1F1B's rank 0 holds ``num_ranks`` of them).
 
-Memory: the construction counts what the order alone sets exactly as ``simulate`` does (an
-activation, what W reads from I's end, a received input, static bytes, the largest transient:
-:mod:`pipetrain.plan.autoplan.layout`), and message buffers in flight by what simulating the
+Memory: the construction counts what the order alone sets as ``simulate`` does (an activation,
+what W reads from I's end, a received input, static bytes: :mod:`pipetrain.plan.autoplan.layout`)
+and a rank's largest transient throughout, which bounds ``simulate``'s count of each action's
+transient at that action's own time; message buffers in flight by what simulating the
 microbatches one at a time adds. Every schedule returned is simulated, with the caller's costs:
 one that ``simulate`` puts over the limit on any rank is never returned (the layout is searched
 again with less room on that rank while time is left). The least memory named when nothing fits
