@@ -71,11 +71,15 @@ def _combine(shares: list[torch.Tensor], norm_type: float) -> torch.Tensor:
 
 
 def _grads(parameters: torch.Tensor | Iterable[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The parameters, each once, and their gradients. A weight tied between two stages of one
-    rank (embedding and head under a V placement) comes twice from the stages' ``parameters()``;
-    counted twice it would weigh double in the norm and be scaled twice."""
+    """The parameters, each once, and the gradients this rank counts in the norm. A weight tied
+    between two stages of one rank (embedding and head under a V placement) comes twice from the
+    stages' ``parameters()``; counted twice it would weigh double in the norm and be scaled twice.
+    A weight tied across ranks has a copy on each (:mod:`pipetrain.runtime.tied`): only the rank
+    of its lowest stage counts it; every copy is scaled."""
+    from pipetrain.runtime.tied import is_mirror  # (the runtime imports torch.distributed's pieces)
+
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(dict.fromkeys(parameters))
-    return params, [p.grad for p in params if p.grad is not None]
+    return params, [p.grad for p in params if p.grad is not None and not is_mirror(p)]
 
 
 @torch.no_grad()
@@ -128,6 +132,7 @@ def clip_grad_norm_(
             f"the total norm of order {norm_type:g} of the pipeline's gradients is {float(total)}: {why}; "
             "set error_if_nonfinite=False to clip anyway"
         )
-    if grads:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total.to(grads[0].device), foreach)
+    held = [p.grad for p in params if p.grad is not None]  # (mirrors of tied weights too: every copy scales)
+    if held:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total.to(held[0].device), foreach)
     return total

@@ -8,10 +8,17 @@ position ids the model makes from the hidden states (a :class:`~pipetrain.split.
 :func:`pipetrain.split_by_names` take the list unchanged, and the stages' parameter names are the
 model's (a stage's ``state_dict`` loads into the unsplit model).
 
-Covers the models whose ``forward`` is ``model.embed_tokens`` → ``model.layers`` (each given
-``position_embeddings`` from ``model.rotary_emb``) → ``model.norm`` → ``lm_head``: Llama, Qwen2/3,
-Mistral and their kin in transformers 5. Every token attends causally (no padding mask, no cache):
-the training case.
+Covers two layouts of transformers 5:
+
+- ``model.embed_tokens`` → ``model.layers`` (each given ``position_embeddings`` from
+  ``model.rotary_emb``) → ``model.norm`` → ``lm_head``: Llama, Qwen2/3, Mistral and their kin;
+- ``transformer.wte`` (+ ``transformer.wpe`` positions, ``transformer.drop``) → ``transformer.h``
+  → ``transformer.ln_f`` → ``lm_head``: GPT-2.
+
+Every token attends causally (no padding mask, no cache): the training case. A head tied to the
+embedding (``tie_word_embeddings``, GPT-2's default) stays one weight: on one rank (a V schedule)
+autograd sums its gradient; on two, the runtime sums the copies' gradients after each step
+(:mod:`pipetrain.runtime.tied`).
 """
 
 from __future__ import annotations
@@ -34,8 +41,13 @@ def _part(model: nn.Module, path: str) -> nn.Module:
     except AttributeError:
         raise PipelineError(
             f"decoder_layers: {type(model).__name__} has no {path!r}; it reads causal LMs laid out as "
-            "model.embed_tokens, model.layers, model.rotary_emb, model.norm, lm_head (Llama, Qwen, Mistral)"
+            "model.embed_tokens, model.layers, model.rotary_emb, model.norm, lm_head (Llama, Qwen, Mistral) "
+            "or transformer.wte, transformer.wpe, transformer.h, transformer.ln_f, lm_head (GPT-2)"
         ) from None
+
+
+def _positions(hidden: torch.Tensor) -> torch.Tensor:
+    return torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
 
 
 def _mask_maker(config: Any) -> Any:
@@ -60,26 +72,31 @@ def _mask_maker(config: Any) -> Any:
 
 
 def decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``(name, layer)`` of a Hugging Face causal LM in run order: ``model.embed_tokens`` (token
-    ids in), ``model.layers.0`` … (each a :class:`~pipetrain.split.CalledLayer` that makes the
-    position ids, causal mask and rotary embeddings from its input as the model does),
-    ``model.norm``, ``lm_head`` (logits out; the loss is yours, e.g. cross-entropy on shifted
-    labels). Refuses tied input/output embeddings: the two ends of the pipeline would hold one
-    weight (set ``tie_word_embeddings=False``)."""
+    """``(name, layer)`` of a Hugging Face causal LM in run order: the embedding (token ids in;
+    GPT-2's adds its position embeddings and dropout), each decoder layer (a
+    :class:`~pipetrain.split.CalledLayer` that makes the position ids, causal mask and rotary
+    embeddings from its input as the model does), the final norm, ``lm_head`` (logits out; the
+    loss is yours, e.g. cross-entropy on shifted labels)."""
     config = getattr(model, "config", None)
     if config is None:
         raise PipelineError(f"decoder_layers: {type(model).__name__} has no config; give a transformers model")
+    if hasattr(model, "transformer") and not hasattr(model, "model"):
+        return _gpt2_layers(model, config)
+    return _llama_layers(model, config)
+
+
+def _blocks(container: nn.Module, config: Any) -> list[nn.Module]:
+    blocks = list(container.children())
+    return blocks[: getattr(config, "num_hidden_layers", len(blocks))]
+
+
+def _llama_layers(model: nn.Module, config: Any) -> list[tuple[str, nn.Module]]:
     embed, layers, norm = _part(model, "model.embed_tokens"), _part(model, "model.layers"), _part(model, "model.norm")
     rotary, head = _part(model, "model.rotary_emb"), _part(model, "lm_head")
-    if getattr(head, "weight", None) is getattr(embed, "weight", None):
-        raise PipelineError(
-            "decoder_layers: the head and the embedding share one weight (tie_word_embeddings); a pipeline "
-            "puts them on the first and the last stage: build the model with tie_word_embeddings=False"
-        )
     mask = _mask_maker(config)
 
     def call(layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        position_ids = _positions(hidden)
         out = layer(
             hidden,
             attention_mask=mask(hidden, position_ids),
@@ -90,9 +107,30 @@ def decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
         return result
 
     named: list[tuple[str, nn.Module]] = [("model.embed_tokens", embed)]
-    blocks = list(layers.children())
-    count = getattr(config, "num_hidden_layers", len(blocks))
-    for i, layer in enumerate(blocks[:count]):
+    for i, layer in enumerate(_blocks(layers, config)):
         named.append((f"model.layers.{i}", CalledLayer(layer, call, {"model.rotary_emb": rotary})))
     named += [("model.norm", norm), ("lm_head", head)]
+    return named
+
+
+def _gpt2_layers(model: nn.Module, config: Any) -> list[tuple[str, nn.Module]]:
+    wte, wpe, drop = _part(model, "transformer.wte"), _part(model, "transformer.wpe"), _part(model, "transformer.drop")
+    blocks, ln_f, head = _part(model, "transformer.h"), _part(model, "transformer.ln_f"), _part(model, "lm_head")
+    mask = _mask_maker(config)
+
+    def embed(layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        tokens = layer(ids)
+        out: torch.Tensor = drop(tokens + wpe(_positions(tokens)))
+        return out
+
+    def call(layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        position_ids = _positions(hidden)
+        out = layer(hidden, None, mask(hidden, position_ids), position_ids=position_ids)
+        result: torch.Tensor = out[0] if isinstance(out, tuple) else out
+        return result
+
+    shared = {"transformer.wpe": wpe, "transformer.drop": drop}
+    named: list[tuple[str, nn.Module]] = [("transformer.wte", CalledLayer(wte, embed, shared))]
+    named += [(f"transformer.h.{i}", CalledLayer(block, call)) for i, block in enumerate(_blocks(blocks, config))]
+    named += [("transformer.ln_f", ln_f), ("lm_head", head)]
     return named

@@ -39,6 +39,7 @@ __all__ = [
     "CalledLayer",
     "LayerStage",
     "StageCut",
+    "TiedParameter",
     "decide_once",
     "is_recomputed",
     "layer_times",
@@ -423,19 +424,60 @@ class StageCut:
 
     ``layers``: the layer names of every stage of the cut, in order; ``index``: which of them
     this module is; ``digests``: per stage, a digest of its parameters' and buffers' names,
-    shapes and dtypes as this process built the model.
+    shapes and dtypes as this process built the model; ``tied``: the parameters that several
+    stages share (a tied embedding and head), see :class:`TiedParameter`.
     """
 
     layers: tuple[tuple[str, ...], ...]
     index: int
     digests: tuple[str, ...]
+    tied: tuple[TiedParameter, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return {"layers": [list(x) for x in self.layers], "index": self.index, "digests": list(self.digests)}
+        return {
+            "layers": [list(x) for x in self.layers],
+            "index": self.index,
+            "digests": list(self.digests),
+            "tied": [t.to_dict() for t in self.tied],
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> StageCut:
-        return cls(tuple(tuple(x) for x in data["layers"]), int(data["index"]), tuple(data["digests"]))
+        tied = tuple(TiedParameter.from_dict(t) for t in data.get("tied", ()))
+        return cls(tuple(tuple(x) for x in data["layers"]), int(data["index"]), tuple(data["digests"]), tied)
+
+
+@dataclass(frozen=True)
+class TiedParameter:
+    """One parameter that several stages of a cut hold (a GPT-2's ``transformer.wte.weight``, which
+    is also its ``lm_head.weight``): each ``(stage index, name in that stage's module)``, and the
+    shape and dtype, so that a rank holding none of those stages can still tell what it is."""
+
+    members: tuple[tuple[int, str], ...]
+    shape: tuple[int, ...]
+    dtype: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"members": [list(m) for m in self.members], "shape": list(self.shape), "dtype": self.dtype}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TiedParameter:
+        members = tuple((int(s), str(name)) for s, name in data["members"])
+        return cls(members, tuple(int(n) for n in data["shape"]), str(data["dtype"]))
+
+
+def _tied(stages: Sequence[nn.Module]) -> tuple[TiedParameter, ...]:
+    """The parameters held by more than one of ``stages`` (the same tensor object), each with the
+    first name each stage gives it."""
+    held: dict[int, tuple[torch.Tensor, dict[int, str]]] = {}
+    for index, stage in enumerate(stages):
+        for name, p in stage.named_parameters(remove_duplicate=False):
+            held.setdefault(id(p), (p, {}))[1].setdefault(index, name)
+    return tuple(
+        TiedParameter(tuple(sorted(names.items())), tuple(p.shape), str(p.dtype).removeprefix("torch."))
+        for p, names in held.values()
+        if len(names) > 1
+    )
 
 
 def _digest(named: Sequence[tuple[str, nn.Module]]) -> str:
@@ -451,11 +493,10 @@ def _mark(parts: Sequence[Sequence[tuple[str, nn.Module]]]) -> list[nn.Module]:
     """One stage module per part, each remembering the whole cut (:class:`StageCut`)."""
     layers = tuple(tuple(name for name, _ in part) for part in parts)
     digests = tuple(_digest(part) for part in parts)
-    stages = []
-    for index, part in enumerate(parts):
-        stage = _stage(part)
-        stage.__dict__["_pipetrain_cut"] = StageCut(layers, index, digests)
-        stages.append(stage)
+    stages = [_stage(part) for part in parts]
+    tied = _tied(stages)
+    for index, stage in enumerate(stages):
+        stage.__dict__["_pipetrain_cut"] = StageCut(layers, index, digests, tied)
     return stages
 
 

@@ -63,11 +63,94 @@ def test_the_layers_run_as_the_model_runs_them_under_its_names() -> None:
     torch.testing.assert_close(h, model(x).logits, rtol=0, atol=0)
 
 
-def test_tied_embeddings_are_refused_with_what_to_do() -> None:
+def _gpt2() -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=64,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    return transformers.GPT2LMHeadModel(config)  # its head is its embedding (tied, GPT-2's default)
+
+
+@pytest.mark.parametrize("make", [_gpt2, lambda: _llama(tied=True)], ids=["gpt2", "llama-tied"])
+def test_gpt2_and_a_tied_llama_run_as_the_model_runs_them(make: Any) -> None:
     from pipetrain.hf import decoder_layers
 
-    with pytest.raises(PipelineError, match="tie_word_embeddings=False"):
-        decoder_layers(_llama(tied=True))
+    model = make()
+    x, _ = _data()
+    layers = decoder_layers(model)
+    h: Any = x
+    for _, layer in layers:
+        h = layer(h)
+    torch.testing.assert_close(h, model(x).logits, rtol=0, atol=0)
+    assert layers[-1][1].weight is model.get_input_embeddings().weight  # still one weight
+
+
+def _train_tied(rank: int, world: int, name: str, perturb: bool) -> dict[str, Any]:
+    from pipetrain import PipelineScheduleRuntime, clip_grad_norm_
+    from pipetrain.hf import decoder_layers
+    from pipetrain.plan import build_schedule
+
+    torch.set_num_threads(1)
+    model = _gpt2()
+    x, y = _data()
+    cut = [["transformer.wte"], ["transformer.h.0"], ["transformer.h.1"], ["transformer.ln_f", "lm_head"]]
+    modules = split_by_names(decoder_layers(model), cut)
+    schedule = build_schedule(name, 2, MICROBATCHES, stages_per_rank=2)
+    mine = [PipelineStage(m, s, len(modules), "cpu") for s, m in stages_for_rank(modules, schedule, rank)]
+    if perturb and rank == 1:
+        with torch.no_grad():
+            model.lm_head.weight[0, 0] += 1.0  # this rank's copy of the tied weight now differs
+    runtime = PipelineScheduleRuntime(mine, schedule, loss_fn=_loss)
+    try:
+        runtime.step(x, target=y)
+    except PipelineError as exc:
+        return {"error": str(exc)}
+    params = list(dict.fromkeys(p for st in mine for p in st.submodule.parameters()))
+    grads = {k: p.grad.numpy().copy() for st in mine for k, p in st.submodule.named_parameters()}
+    norm = float(clip_grad_norm_(params, 1e-3, group=mine[0].group))
+    torch.optim.SGD(params, lr=1.0).step()
+    weights = {k: p.detach().numpy().copy() for st in mine for k, p in st.submodule.named_parameters()}
+    return {"grads": grads, "norm": norm, "weights": weights}
+
+
+@pytest.mark.parametrize("name", ["Interleaved1F1B", "ZBVZeroBubble"])
+def test_gpt2_with_its_tied_head_trains_like_plain_training(name: str) -> None:
+    """Interleaved 1F1B puts the embedding (stage 0) on rank 0 and the head (stage 3) on rank 1:
+    two copies whose gradients the runtime sums; ZB-V puts both on rank 0: one tensor."""
+    results = run_ranks(_train_tied, 2, name, False, timeout=240)
+    want = _gpt2()
+    x, y = _data()
+    loss = sum(_loss(want(xs).logits, ys) for xs, ys in zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES), strict=True))
+    (loss / MICROBATCHES).backward()
+    expected = {k: p.grad for k, p in want.named_parameters(remove_duplicate=False)}
+    for r in results:
+        for k, g in r["grads"].items():
+            torch.testing.assert_close(torch.from_numpy(g), expected[k], msg=lambda m, k=k: f"{name}, {k}: {m}")
+    # The norm counts the tied weight once, as plain training does; the clipped update keeps it one weight.
+    plain_norm = float(torch.nn.utils.clip_grad_norm_(list(want.parameters()), 1e-3))
+    assert [r["norm"] for r in results] == pytest.approx([plain_norm, plain_norm], rel=1e-5)
+    torch.optim.SGD(want.parameters(), lr=1.0).step()
+    copies = [
+        r["weights"][k] for r in results for k in ("transformer.wte.weight", "lm_head.weight") if k in r["weights"]
+    ]
+    assert len(copies) == 2
+    assert (copies[0] == copies[1]).all()  # bit for bit, on both ranks
+    torch.testing.assert_close(torch.from_numpy(copies[0]), want.lm_head.weight.detach())
+
+
+def test_copies_of_a_tied_weight_that_differ_are_refused_naming_both() -> None:
+    results = run_ranks(_train_tied, 2, "Interleaved1F1B", True, timeout=240)
+    for r in results:
+        assert "error" in r, r
+        assert "'transformer.wte.weight'" in r["error"] and "'lm_head.weight'" in r["error"], r["error"]
+        assert "differs" in r["error"] and "same seed" in r["error"], r["error"]
 
 
 def _plan() -> Any:

@@ -31,6 +31,7 @@ from pipetrain.runtime.failures import (
 )
 from pipetrain.runtime.prepare import Prepared, prepare_for, read_torch_csv, recv_window, torch_csv_has_waits
 from pipetrain.runtime.sharing import rank0_order
+from pipetrain.runtime.tied import TiedGrads
 from pipetrain.runtime.transport.completion import Waiter
 from pipetrain.runtime.transport.p2p import DistTransport
 from pipetrain.runtime.transport.wire import RecvHandle, RecvItem, SendItem
@@ -129,6 +130,8 @@ class PipelineScheduleRuntime(StepDriver):
         self.rank, self.world = self._rank_and_world()
         self.stages = {st.stage_index: st for st in self._stage_list}
         self._dp_stages = [st for st in self._stage_list if dp_kind(st.submodule) is not None]
+        self._tied: TiedGrads | None = None  # (found at the first training step: _tied_grads)
+        self._tied_for: tuple[tuple[int, int], ...] | None = None
         # Data-parallel stages: one gradient reduction per step, FSDP gathers planned by the schedule.
         self._lower_options = dict(default_lowering(self._stage_list) if lower_options is None else lower_options)
         self._failure = failure_channel(self.group, self.rank)
@@ -399,7 +402,22 @@ class PipelineScheduleRuntime(StepDriver):
         for _ in executor.run(prepared.program(self.rank), data):  # pragma: no cover - waits block instead
             pass
         self._transport.finish()
+        if data.train:
+            tied = self._tied_grads()
+            if tied is not None:
+                tied.sync()
         return executor if self.has_last_stage else None
+
+    def _tied_grads(self) -> TiedGrads | None:
+        """The exchange of the weights this rank's stages share with another rank's (runtime.tied),
+        found once per placement."""
+        placement = tuple(sorted(self.schedule.stage_to_rank.items()))
+        if self._tied_for != placement:
+            group = self._group_obj
+            assert group is not None  # (_guard refused a destroyed group)
+            self._tied = TiedGrads.of(self._stage_list, dict(placement), self.rank, group)
+            self._tied_for = placement
+        return self._tied
 
     def _fail(self, executor: RankExecutor, exc: BaseException) -> None:
         where = executor.where()
