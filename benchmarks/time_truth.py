@@ -267,7 +267,7 @@ def line(model: str, schedule: str, row: dict[str, Any], before: float, after: f
     sim_meas = row.get("sim_measured_s")
     return (
         f"| {model} | {schedule} | {t['measured_step_s'] * 1e3:.1f} | {p['compute_s'] * 1e3:.1f} | "
-        f"{p['optimizer_s'] * 1e3:.1f} | {p['step_s'] * 1e3:.1f} | **{t['ratio']:.3f}** | "
+        f"{p['optimizer_s'] * 1e3:.1f} ({p['spread_s'] * 1e3:.1f}) | {p['step_s'] * 1e3:.1f} | **{t['ratio']:.3f}** | "
         f"{t['measured_step_s'] / p['compute_s']:.3f} | {terms['makespan'] * 1e3:.1f} | "
         f"{'-' if sim_meas is None else f'{sim_meas * 1e3:.1f}'} | {per_rank} | "
         f"{terms['send_post'] * 1e6:.0f}/{terms['recv_post'] * 1e6:.0f}/{terms['ready_gap'] * 1e6:.0f} | "
@@ -276,7 +276,8 @@ def line(model: str, schedule: str, row: dict[str, Any], before: float, after: f
 
 
 HEADER = (
-    "| model | schedule | measured step ms | sim: compute+latency | +optimizer | +posts (promise) | "
+    "| model | schedule | measured step ms | sim: compute+latency | +optimizer after (spread in W) | "
+    "+posts (promise) | "
     "measured/promise | measured/compute-only | last step's timeline ms | sim from measured actions | "
     "per rank (ms) | post send/recv, ready gap (us) | load before→after |\n"
     "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|"

@@ -154,6 +154,22 @@ def test_the_step_promise_prices_each_term_and_names_what_it_leaves_out() -> Non
     assert posts["left_out"] == list(LEFT_OUT)
 
 
+def test_each_ranks_optimizer_step_follows_its_last_action_and_the_next_step_reaches_it_later() -> None:
+    # 1F1B, 2 ranks, f=1, b=2, no latency: rank 0 ends the step (its last B), rank 1 ends 2 earlier
+    # and starts 1 later (it waits for rank 0's first F).
+    stage_layers = [["a"], ["b"]]
+    compute = Costs(f=[1.0, 1.0], b=[2.0, 2.0])
+    schedule = build_schedule("1F1B", 2, 2)
+    plain = simulate(schedule, compute).makespan
+    first = step_promise(compute, schedule, stage_layers, StepTerms({"a": 0.5}))
+    assert first["optimizer_s"] == pytest.approx(plain + 0.5)  # the first rank's: all of it
+    hidden = step_promise(compute, schedule, stage_layers, StepTerms({"b": 3.0}))
+    assert hidden["optimizer_s"] == pytest.approx(plain)  # 3 fits in rank 1's 2 + 1 before and after
+    late = step_promise(compute, schedule, stage_layers, StepTerms({"b": 5.0}))
+    assert late["optimizer_s"] == pytest.approx(plain - 2.0 + 5.0 - 1.0)
+    assert late["spread_s"] > plain  # the planner's pricing, for comparison
+
+
 def test_the_time_line_names_the_terms_and_the_ratio() -> None:
     stage_layers, compute = _cut()
     schedule = build_schedule("1F1B", 2, 4)

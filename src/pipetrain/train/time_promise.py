@@ -5,9 +5,12 @@ A training step is the pipeline (each rank's actions) and then each rank's optim
 layer at a time) and the latency of a message; on its own it leaves out:
 
 * **the optimizer step** (Adam on the rank's parameters, and ``zero_grad``), measured per layer
-  (:func:`pipetrain.train.auto.optimizer_seconds`) and spread over the step's weight-gradient
-  backwards (each microbatch's W or B carries 1/M of its stage's optimizer step): a rank pays it
-  once per step, and the next step's first actions on every rank but the first overlap it;
+  by :func:`pipetrain.profile_layers` (``LayerCost.optimizer``). A rank runs it after its last
+  action, and the next step reaches the rank only at its first action (the first rank at once,
+  the others after the pipeline fills): the step is at least, for every rank, its last action's
+  end plus its optimizer step less its first action's start. The planner, whose
+  simulation knows no step after this one, prices it spread over the microbatches' W and B
+  (:func:`~pipetrain.plan.pipeline.layers.with_optimizer`);
 * **posting a message** (rank time for each SEND and RECV the runtime posts, beside the latency):
   priced as ``Costs.send`` / ``Costs.recv`` on the lowered schedule the runtime runs;
 * **the runtime's own time per action** (taking the received inputs, polling, bookkeeping
@@ -87,23 +90,43 @@ def step_promise(
     compute: Costs, schedule: Schedule, stage_layers: Sequence[Sequence[str]], terms: StepTerms
 ) -> dict[str, Any]:
     """The simulated step of ``schedule`` on a cut, term by term (seconds): ``compute_s`` the
-    layers and the latency alone; ``optimizer_s`` with the optimizer step added; ``step_s``
-    everything priced (the lowered schedule, as the runtime runs it, with message posts and the
-    per-action time): the promise. ``left_out`` names what is still not priced."""
+    layers and the latency alone; ``optimizer_s`` with each rank's optimizer step after its last
+    action (``spread_s``: spread over W and B instead, as the planner prices it); ``posts_s`` the
+    lowered schedule (as the runtime runs it) with message posts and the per-action time, no
+    optimizer; ``step_s`` all of them: the promise. ``left_out`` names what is still not priced."""
     from pipetrain.plan.simulate import simulate
 
     n_mb = schedule.num_microbatches
-    alone = simulate(schedule, compute).makespan
-    with_opt = simulate(schedule, priced_costs(compute, stage_layers, StepTerms(terms.optimizer), n_mb)).makespan
-    priced = priced_costs(compute, stage_layers, terms, n_mb)
-    lowered = simulate(schedule.lower(), priced).makespan
+    alone = simulate(schedule, compute)
+    spread = simulate(schedule, priced_costs(compute, stage_layers, StepTerms(terms.optimizer), n_mb)).makespan
+    posts = simulate(schedule.lower(), priced_costs(compute, stage_layers, replace(terms, optimizer={}), n_mb))
     return {
-        "compute_s": alone,
-        "optimizer_s": with_opt,
-        "step_s": max(lowered, with_opt),
+        "compute_s": alone.makespan,
+        "optimizer_s": _with_optimizer_tail(alone.timeline, schedule, stage_layers, terms.optimizer),
+        "spread_s": spread,
+        "posts_s": posts.makespan,
+        "step_s": _with_optimizer_tail(posts.timeline, schedule, stage_layers, terms.optimizer),
         "terms": terms.to_dict(),
         "left_out": list(LEFT_OUT),
     }
+
+
+def _with_optimizer_tail(
+    timeline: Timeline, schedule: Schedule, stage_layers: Sequence[Sequence[str]], optimizer: Mapping[str, float]
+) -> float:
+    """The least period of steps that each end with every rank's optimizer step: for every rank,
+    its last action's end plus its optimizer step less its first compute action's start (the
+    next step's work reaches a rank no sooner than it did in this one), and the step itself."""
+    per_rank = [0.0] * schedule.num_ranks
+    for s, names in enumerate(stage_layers):
+        per_rank[schedule.stage_to_rank[s]] += sum(optimizer.get(name, 0.0) for name in names)
+    period = timeline.makespan
+    for rank in range(schedule.num_ranks):
+        mine = [e for e in timeline.events if e.rank == rank]
+        starts = [e.start for e in mine if e.kind in _COMPUTE]
+        if mine and starts:
+            period = max(period, max(e.end for e in mine) + per_rank[rank] - min(starts))
+    return period
 
 
 def measured_step(step_times: Sequence[float], warmup: int = 2) -> float:
