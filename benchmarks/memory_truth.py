@@ -32,6 +32,7 @@ import argparse
 import os
 import socket
 import sys
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -69,8 +70,9 @@ def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def _one(
     rank: int, world: int, name: str, v: int, device: torch.device, keep: bool, family: str = "profile"
-) -> tuple[int, float, float]:
-    """(measured, promised, two messages) for this rank under schedule ``name``."""
+) -> tuple[int, float, float, float]:
+    """(measured, promised, three messages, promised without transients: what is held between
+    actions) for this rank under schedule ``name``."""
     from pipetrain import PipelineScheduleRuntime, PipelineStage
     from pipetrain.memory import MemoryMeter, measure_step, stage_bytes
     from pipetrain.plan import Costs, auto_schedule, build_schedule, simulate
@@ -111,15 +113,15 @@ def _one(
         except TypeError:  # a pipetrain from before issue 37 (no ``first``): measured as any stage
             pass
         bytes_ = {k: [s[k] for s in sizes] for k in sizes[0]}
-        mlp = simulate(runtime.schedule, Costs(f=1, i=1, w=1, comm=0.05, **bytes_), keep_outputs=keep)
-        assert mlp.peak_memory_bytes is not None
-        return measured, mlp.peak_memory_bytes[rank], 3.0 * max(s["message_bytes"] for s in sizes)
-    transient = [_workspace(m, example, None) for m in modules[:-1]]
-    transient.append(_workspace(modules[-1], example, y[:ROWS]))
-    costs = Costs(f=1, b=2, comm=0.05, transient_bytes=transient, **{k: [s[k] for s in sizes] for k in keys})
+        costs = Costs(f=1, i=1, w=1, comm=0.05, **bytes_)
+    else:
+        transient = [_workspace(m, example, None) for m in modules[:-1]]
+        transient.append(_workspace(modules[-1], example, y[:ROWS]))
+        costs = Costs(f=1, b=2, comm=0.05, transient_bytes=transient, **{k: [s[k] for s in sizes] for k in keys})
     promised = simulate(runtime.schedule, costs, keep_outputs=keep).peak_memory_bytes
-    assert promised is not None
-    return measured, promised[rank], 3.0 * max(s["message_bytes"] for s in sizes)
+    held = simulate(runtime.schedule, replace(costs, transient_bytes=None), keep_outputs=keep).peak_memory_bytes
+    assert promised is not None and held is not None
+    return measured, promised[rank], 3.0 * max(s["message_bytes"] for s in sizes), held[rank]
 
 
 def _workspace(module: nn.Module, example: torch.Tensor, target: torch.Tensor | None) -> float:
@@ -158,8 +160,8 @@ def _rank(
 
 def measure(
     device_type: str = "cpu", world: int = 2, keep: bool = False, family: str = "profile", every: float | None = None
-) -> list[list[tuple[str, int, float, float]]]:
-    """Per rank, per schedule: (name, measured, promised, tolerance) bytes."""
+) -> list[list[tuple[str, int, float, float, float]]]:
+    """Per rank, per schedule: (name, measured, promised, tolerance, promised without transients) bytes."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -171,26 +173,31 @@ def measure(
     ]
     for p in procs:
         p.start()
-    rows: list[list[tuple[str, int, float, float]]] = results.get()
+    rows: list[list[tuple[str, int, float, float, float]]] = results.get()
     for p in procs:
         p.join()
     return rows
 
 
-def report(rows: list[list[tuple[str, int, float, float]]]) -> tuple[str, bool]:
-    """A markdown table (KB, measured / promised per rank) and whether every rank kept its promise."""
+def report(rows: list[list[tuple[str, int, float, float, float]]]) -> tuple[str, bool]:
+    """A markdown table (KB, measured / promised per rank, the ratio, and the ratio to what the
+    promise holds between actions, without any action's transient) and whether every rank kept
+    its promise."""
     world = len(rows)
-    head = "| schedule | " + " | ".join(f"rank {r} measured / promised" for r in range(world)) + " |"
+    head = "| schedule | " + " | ".join(f"rank {r} measured / promised (÷ held)" for r in range(world)) + " |"
     lines = [head, "|---|" + "---:|" * world]
     ok = True
     for k, (name, *_) in enumerate(rows[0]):
         cells = []
         for r in range(world):
-            _, measured, promised, tolerance = rows[r][k]
+            _, measured, promised, tolerance, held = rows[r][k]
             within = measured <= promised + tolerance
             ok = ok and within
             mark = "" if within else " **over**"
-            cells.append(f"{measured / 1e3:.0f} / {promised / 1e3:.0f} KB ({measured / promised:.2f}){mark}")
+            cells.append(
+                f"{measured / 1e3:.0f} / {promised / 1e3:.0f} KB ({measured / promised:.2f}; "
+                f"÷ held {measured / held:.2f}){mark}"
+            )
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines), ok
 

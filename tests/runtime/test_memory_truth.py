@@ -327,9 +327,10 @@ def test_recomputed_stages_hold_what_the_promise_says_split_or_not() -> None:
             assert one_f_one_b[2] < 0.8 * one_f_one_b[3], one_f_one_b
 
 
-def _mlp_family(rank: int, world: int) -> list[tuple[str, int, float, float]]:
+def _mlp_family(rank: int, world: int) -> list[tuple[str, int, float, float, float]]:
     """Issue 37's trial: every byte cost from stage_bytes alone (the first stage's measured as
-    one), ``Costs(f=1, i=1, w=1, comm=0.05, **bytes)``; (schedule, measured, promised, a message)."""
+    one), ``Costs(f=1, i=1, w=1, comm=0.05, **bytes)``; (schedule, measured, promised, a message,
+    the promise without transients: what it says is held between actions)."""
     from pipetrain import PipelineScheduleRuntime, PipelineStage
     from pipetrain.memory import stage_bytes
     from pipetrain.plan import Costs, build_schedule, simulate
@@ -348,8 +349,9 @@ def _mlp_family(rank: int, world: int) -> list[tuple[str, int, float, float]]:
         sizes.append(stage_bytes(modules[-1], example, loss_fn=_mse, target=target))
         costs = Costs(f=1, i=1, w=1, comm=0.05, **{k: [s[k] for s in sizes] for k in sizes[0]})
         promised = simulate(runtime.schedule, costs).peak_memory_bytes
-        assert promised is not None
-        out.append((name, measured, promised[rank], float(sizes[0]["message_bytes"])))
+        held = simulate(runtime.schedule, replace(costs, transient_bytes=None)).peak_memory_bytes
+        assert promised is not None and held is not None
+        out.append((name, measured, promised[rank], float(sizes[0]["message_bytes"]), held[rank]))
     return out
 
 
@@ -358,18 +360,23 @@ def test_costs_from_stage_bytes_alone_promise_what_every_rank_holds() -> None:
     ZBH1, Interleaved1F1B and ZB-V. Before issue 37 the second rank held up to 1.07-1.13x its
     promise (ZBH1, Interleaved1F1B, 1F1B: the actions' transients were not measured) and the first
     rank's promise under a split backward counted a W that holds input gradients a first stage
-    never makes. Measured over 3 runs: 0.86-1.01 of the promise; the low end is the transient
-    added to the peak (the first stage's backward allocates 153 KB it frees, which a sampled CPU
-    reading rarely catches within an action of a fraction of a millisecond)."""
+    never makes. Since each action's transient counts at its own time (not the rank's largest on
+    top of its most held, wherever each falls) the promise is tight both ways: measured over 4 runs
+    0.86-1.01 of it, and 0.98-1.04 of what it holds between actions (the 0.86: 1F1B's last rank,
+    whose peak is inside an action whose 66 KB of temporaries a sampled CPU reading rarely
+    catches; before, the first rank's 1F1B and ZBH1 sat at 0.87 with their peaks between actions)."""
     results = run_ranks(_mlp_family, 2, timeout=300)
     for rank, cases in enumerate(results):
-        for name, measured, promised, message in cases:
+        for name, measured, promised, message, held in cases:
             # + 3 messages, as benchmarks/memory_truth.py allows (a send packs the gradient into a
             # buffer of its own while the gradient is alive), + 2 of timing, as
-            # test_every_schedule_holds_what_simulate_promises allows: GPipe's last rank moves by up
-            # to 4 messages between runs (a clean CI run: 3532 KB against 3313 promised, 1.066x)
+            # test_every_schedule_holds_what_simulate_promises allows: GPipe's last rank moves by
+            # up to 4 messages between runs (a clean CI run: 3532 KB against 3313 promised, 1.066x)
             assert measured <= promised + 5 * message, (name, rank, measured, promised)
-            assert measured >= 0.8 * promised, (name, rank, measured, promised)
+            # Not loose: at least 0.9 of what the promise says is held between actions (the
+            # actions' transients aside, which a sample may miss).
+            assert measured >= 0.9 * held, (name, rank, measured, held, promised)
+            assert held <= promised
 
 
 def test_stage_bytes_measures_a_first_stage_as_the_runtime_runs_it() -> None:
