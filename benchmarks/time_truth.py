@@ -46,6 +46,36 @@ def load() -> float:
         return float("nan")
 
 
+# ----------------------------------------------------------------------------- attribution
+
+
+def attribution(promise: dict[str, Any], timeline: Any, schedule: Any, timings: dict[str, Any]) -> dict[str, Any]:
+    """Where measured and simulated part, from one run: the model (the lowered schedule, posts,
+    the per-action gap, each rank's optimizer after its last action) on the step's own measured
+    action times (``model_on_measured_s``: what the simulation gets right when its action times
+    are right), and each rank's compute boxes over what the profile priced for the same actions
+    (``profile_ratio``: the profile's error, layers timed one at a time vs in a stage)."""
+    from dataclasses import replace
+
+    from pipetrain.plan import costs_from_timelines, simulate
+    from pipetrain.plan.costs import Costs
+    from pipetrain.train.time_promise import optimizer_tail, timeline_terms
+
+    terms = timeline_terms(timeline, schedule)
+    n = schedule.num_stages
+    measured = costs_from_timelines([timeline], n)
+    measured = replace(measured, send=terms["send_post"], recv=terms["recv_post"], action_overhead=terms["ready_gap"])
+    opt = [timings[str(r)]["optimizer_s"] for r in range(schedule.num_ranks)]
+    on_measured = optimizer_tail(simulate(schedule.lower(), measured).timeline, schedule, opt)
+    profile = Costs.parse(promise["costs"])
+    ratio: dict[str, float] = {}
+    for rank in range(schedule.num_ranks):
+        boxes = [e for e in timeline.events if e.rank == rank and e.kind in ("F", "B", "I", "W")]
+        priced = sum(profile.per_stage(e.kind.lower(), n)[e.stage] for e in boxes)
+        ratio[str(rank)] = sum(e.duration for e in boxes) / priced if priced > 0 else float("nan")
+    return {"terms": terms, "model_on_measured_s": on_measured, "profile_ratio": ratio}
+
+
 # ----------------------------------------------------------------------------- presets
 
 
@@ -53,7 +83,6 @@ def preset_run(model: str, schedule: str, out: Path, args: argparse.Namespace) -
     """One ``pipetrain train`` run; its summary's time check and the last step's timeline terms."""
     from pipetrain.plan.schedule import Schedule
     from pipetrain.plan.timeline import Timeline
-    from pipetrain.train.time_promise import timeline_terms
 
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"
@@ -72,7 +101,7 @@ def preset_run(model: str, schedule: str, out: Path, args: argparse.Namespace) -
     ran = Schedule.load(str(out / "schedule.json"))
     row = {
         "time": summary["time"],
-        "terms": timeline_terms(timeline, ran),
+        **attribution(summary["time"]["promise"], timeline, ran, summary["time"]["ranks"]),
         "sim_measured_s": summary.get("simulated_step_s"),
         "plan": summary.get("plan", {}).get("stage_layers"),
         "planner_makespan_s": summary.get("plan", {}).get("makespan"),
@@ -133,7 +162,7 @@ def _llama_rank(rank: int, port: int, results: Any, schedule_name: str, args: di
     )
     from pipetrain.train.layout import _median_layers
     from pipetrain.train.loop import on_one_axis
-    from pipetrain.train.time_promise import StepTerms, measured_step, step_promise, timeline_terms
+    from pipetrain.train.time_promise import StepTerms, measured_step, step_promise
 
     torch.set_num_threads(1)
     retain_freed_memory()
@@ -221,6 +250,7 @@ def _llama_rank(rank: int, port: int, results: Any, schedule_name: str, args: di
         measured_costs = costs_from_timelines([timeline], shared.schedule.num_stages)
         sim_measured = simulate(shared.schedule, measured_costs).makespan
         measured = max(t["step_s"] for t in timings)
+        by_rank = {str(r): t for r, t in enumerate(timings)}
         results.put(
             {
                 "time": {
@@ -229,7 +259,7 @@ def _llama_rank(rank: int, port: int, results: Any, schedule_name: str, args: di
                     "promise": promise[0],
                     "ratio": measured / promise[0]["step_s"],
                 },
-                "terms": timeline_terms(timeline, shared.schedule),
+                **attribution(promise[0], timeline, shared.schedule, by_rank),
                 "sim_measured_s": sim_measured,
                 "plan": shared.stage_layers,
                 "planner_makespan_s": promise[0]["planner_makespan_s"],
@@ -269,7 +299,8 @@ def line(model: str, schedule: str, row: dict[str, Any], before: float, after: f
         f"| {model} | {schedule} | {t['measured_step_s'] * 1e3:.1f} | {p['compute_s'] * 1e3:.1f} | "
         f"{p['optimizer_s'] * 1e3:.1f} ({p['spread_s'] * 1e3:.1f}) | {p['step_s'] * 1e3:.1f} | **{t['ratio']:.3f}** | "
         f"{t['measured_step_s'] / p['compute_s']:.3f} | {terms['makespan'] * 1e3:.1f} | "
-        f"{'-' if sim_meas is None else f'{sim_meas * 1e3:.1f}'} | {per_rank} | "
+        f"{'-' if sim_meas is None else f'{sim_meas * 1e3:.1f}'} | {row['model_on_measured_s'] * 1e3:.1f} | "
+        f"{'/'.join(f'{v:.2f}' for _, v in sorted(row['profile_ratio'].items()))} | {per_rank} | "
         f"{terms['send_post'] * 1e6:.0f}/{terms['recv_post'] * 1e6:.0f}/{terms['ready_gap'] * 1e6:.0f} | "
         f"{before:.2f}→{after:.2f}{mark} |"
     )
@@ -279,8 +310,9 @@ HEADER = (
     "| model | schedule | measured step ms | sim: compute+latency | +optimizer after (spread in W) | "
     "+posts (promise) | "
     "measured/promise | measured/compute-only | last step's timeline ms | sim from measured actions | "
+    "model on measured actions | action boxes / profile per rank | "
     "per rank (ms) | post send/recv, ready gap (us) | load before→after |\n"
-    "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|"
+    "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|---|"
 )
 
 

@@ -31,7 +31,15 @@ from pipetrain.plan.costs import Costs
 from pipetrain.plan.schedule import Schedule
 from pipetrain.plan.timeline import Timeline
 
-__all__ = ["LEFT_OUT", "StepTerms", "measured_step", "priced_costs", "step_promise", "timeline_terms"]
+__all__ = [
+    "LEFT_OUT",
+    "StepTerms",
+    "measured_step",
+    "optimizer_tail",
+    "priced_costs",
+    "step_promise",
+    "timeline_terms",
+]
 
 LEFT_OUT = (
     "the loop's own time outside sched.step (drawing the batch, reading the losses)",
@@ -102,24 +110,29 @@ def step_promise(
     posts = simulate(schedule.lower(), priced_costs(compute, stage_layers, replace(terms, optimizer={}), n_mb))
     return {
         "compute_s": alone.makespan,
-        "optimizer_s": _with_optimizer_tail(alone.timeline, schedule, stage_layers, terms.optimizer),
+        "optimizer_s": optimizer_tail(alone.timeline, schedule, _per_rank(schedule, stage_layers, terms.optimizer)),
         "spread_s": spread,
         "posts_s": posts.makespan,
-        "step_s": _with_optimizer_tail(posts.timeline, schedule, stage_layers, terms.optimizer),
+        "step_s": optimizer_tail(posts.timeline, schedule, _per_rank(schedule, stage_layers, terms.optimizer)),
+        "costs": str(compute),
         "terms": terms.to_dict(),
         "left_out": list(LEFT_OUT),
     }
 
 
-def _with_optimizer_tail(
-    timeline: Timeline, schedule: Schedule, stage_layers: Sequence[Sequence[str]], optimizer: Mapping[str, float]
-) -> float:
-    """The least period of steps that each end with every rank's optimizer step: for every rank,
-    its last action's end plus its optimizer step less its first compute action's start (the
-    next step's work reaches a rank no sooner than it did in this one), and the step itself."""
+def _per_rank(schedule: Schedule, stage_layers: Sequence[Sequence[str]], optimizer: Mapping[str, float]) -> list[float]:
+    """Each rank's optimizer step: the sum over the layers of the stages it holds."""
     per_rank = [0.0] * schedule.num_ranks
     for s, names in enumerate(stage_layers):
         per_rank[schedule.stage_to_rank[s]] += sum(optimizer.get(name, 0.0) for name in names)
+    return per_rank
+
+
+def optimizer_tail(timeline: Timeline, schedule: Schedule, per_rank: Sequence[float]) -> float:
+    """The least period of steps that each end with every rank's optimizer step (``per_rank``,
+    seconds): for every rank, its last action's end plus its optimizer step less its first
+    compute action's start (the next step's work reaches a rank no sooner than it did in this
+    one), and the step itself."""
     period = timeline.makespan
     for rank in range(schedule.num_ranks):
         mine = [e for e in timeline.events if e.rank == rank]
