@@ -222,9 +222,19 @@ def main() -> None:
     forwards[0] = 0
     bench.run(True)
     split_forwards = forwards[0]
-    b_times, i_times, w_times, t_times = [], [], [], []
+    # The graph split against plain torch.compile's B (does cutting the backward graph cost?).
+    whole = None
+    if args.compile == "graph":
+        torch.manual_seed(0)
+        whole_module, whole_x, _, _ = subject(argparse.Namespace(**{**vars(args), "compile": "whole"}))
+        whole = Bench(whole_module, whole_x, args.first, args.device)
+        for _ in range(3):
+            whole.run(False)
+    b_times, i_times, w_times, t_times, whole_times = [], [], [], [], []
     torch_error = None
     for _ in range(args.reps):
+        if whole is not None:
+            whole_times.append(whole.run(False)[0])
         b_times.append(bench.run(False)[0])
         i, w = bench.run(True)
         i_times.append(i)
@@ -244,6 +254,11 @@ def main() -> None:
     print(f"I+W   {iw * 1e3:8.3f} ms")
     print(f"ratio (I+W)/B = {iw / b:.3f}   W's share of I+W {w / (i + w):.0%}")
     print(f"largest |grad(B) - grad(I+W)| = {diff:.2e}")
+    if whole_times:
+        bw = statistics.median(whole_times)
+        print(
+            f"B of torch.compile (whole) {bw * 1e3:8.3f} ms: B/B(whole) = {b / bw:.3f}, (I+W)/B(whole) = {iw / bw:.3f}"
+        )
     if args.blocks:
         print(f"forwards of the first block per microbatch under I+W: {split_forwards}")
     after_f, kept = bench.held_mib()
