@@ -118,11 +118,18 @@ def _ancestors(starts: Sequence[fx.Node]) -> set[fx.Node]:
 
 
 NO_PARAMETER_GRADIENT = "no parameter gets a gradient here"
+NO_WEIGHT_GEMM = "no weight-gradient GEMM only the parameters need"
+SILENT = (NO_PARAMETER_GRADIENT, NO_WEIGHT_GEMM)  # nothing worth W: no one needs telling
 
 
 def partition(graph_module: fx.GraphModule, is_param: Sequence[bool]) -> _Parts | str:
     """Split a backward graph whose i-th output is the gradient of the i-th forward input, or
-    say why not (:data:`NO_PARAMETER_GRADIENT`: nothing to split)."""
+    say why not (one of :data:`SILENT`: nothing worth splitting).
+
+    W gets the weight-gradient GEMMs (``mm``, ``bmm``, ``addmm``) that only the parameters'
+    gradients need, with what leads into them and follows from them; what else only the
+    parameters need (a norm's weight-gradient reduction, a bias sum that is no GEMM's) runs in I,
+    so that between I and W a microbatch holds the GEMMs' operands and small gradients only."""
     graph = graph_module.graph
     outs = _outputs(graph_module)
     if len(outs) != len(is_param):
@@ -139,8 +146,9 @@ def partition(graph_module: fx.GraphModule, is_param: Sequence[bool]) -> _Parts 
             in_b.discard(node)
             in_a.add(node)
     in_b = {n for n in in_b if n.op != "placeholder"}
-    if not any(n.op == "call_function" for n in in_b):
-        return "the parameters' gradients are all needed by the inputs' gradients"
+    _keep_gemm_side(graph, in_a, in_b)
+    if not in_b:
+        return NO_WEIGHT_GEMM
     order = {node: k for k, node in enumerate(graph.nodes)}
     boundary = sorted(
         {arg for node in in_b for arg in node.all_input_nodes if arg not in in_b}
@@ -174,6 +182,34 @@ def partition(graph_module: fx.GraphModule, is_param: Sequence[bool]) -> _Parts 
         len(boundary),
         len(outs),
     )
+
+
+_GEMMS = frozenset({"mm.default", "bmm.default", "addmm.default", "baddbmm.default"})
+
+
+def _is_gemm(node: fx.Node) -> bool:
+    return (
+        node.op == "call_function"
+        and str(getattr(node.target, "_opname", "")) + "." + str(getattr(node.target, "_overloadname", "")) in _GEMMS
+    )
+
+
+def _keep_gemm_side(graph: fx.Graph, in_a: set[fx.Node], in_b: set[fx.Node]) -> None:
+    """Move to ``in_a`` the nodes of ``in_b`` neither leading into nor following from a GEMM of
+    ``in_b`` (whose inputs are all ``in_a``'s by then), in place."""
+    nodes = [n for n in graph.nodes if n in in_b]
+    after: set[fx.Node] = set()
+    for node in nodes:
+        if _is_gemm(node) or any(arg in after for arg in node.all_input_nodes):
+            after.add(node)
+    before: set[fx.Node] = set()
+    for node in reversed(nodes):
+        if _is_gemm(node) or any(user in before for user in node.users):
+            before.add(node)
+    for node in nodes:
+        if node not in after and node not in before and not any(arg in in_b for arg in node.all_input_nodes):
+            in_b.discard(node)
+            in_a.add(node)
 
 
 def _outputs(graph_module: fx.GraphModule) -> list[Any]:
@@ -272,7 +308,7 @@ def _split_bw_compiler(
     def compile_backward(graph_module: fx.GraphModule, inputs: list[Any], **kwargs: Any) -> Any:
         parts = partition(graph_module, is_param)
         if isinstance(parts, str):
-            if parts != NO_PARAMETER_GRADIENT:
+            if parts not in SILENT:
                 _say_whole(label, parts)
             return compile_part(graph_module, inputs, False, **kwargs)
         input_fn = compile_part(parts.input_part, inputs, False, **kwargs)
