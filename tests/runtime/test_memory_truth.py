@@ -357,22 +357,19 @@ def _mlp_family(rank: int, world: int) -> list[tuple[str, int, float, float, flo
 
 def test_costs_from_stage_bytes_alone_promise_what_every_rank_holds() -> None:
     """Measured peaks against promises made from stage_bytes alone, on every rank of GPipe, 1F1B,
-    ZBH1, Interleaved1F1B and ZB-V. Before issue 37 the second rank held up to 1.07-1.13x its
-    promise (ZBH1, Interleaved1F1B, 1F1B: the actions' transients were not measured) and the first
-    rank's promise under a split backward counted a W that holds input gradients a first stage
-    never makes. Since each action's transient counts at its own time (not the rank's largest on
-    top of its most held, wherever each falls) the promise is tight both ways: measured over 4 runs
-    0.86-1.01 of it, and 0.98-1.04 of what it holds between actions (the 0.86: 1F1B's last rank,
-    whose peak is inside an action whose 66 KB of temporaries a sampled CPU reading rarely
-    catches; before, the first rank's 1F1B and ZBH1 sat at 0.87 with their peaks between actions)."""
+    ZBH1, Interleaved1F1B and ZB-V, within issue 37's 1.05. Before issue 37 the second rank held
+    up to 1.07-1.13x its promise (ZBH1, Interleaved1F1B, 1F1B: the actions' transients were not
+    measured); then up to 1.07-1.12x on GPipe's and 1F1B's last rank (stage_bytes measured I's
+    temporaries, 66 KB, not those of the backward in one pass those schedules run, 262 KB). Each
+    action's transient counts at its own time, so where a rank's peak falls between actions the
+    promise is what it holds (1F1B's and ZBH1's first rank: 0.87 of the promise before, 0.92-0.94
+    now); a temporary lasting well under a millisecond is rarely caught by a sampled CPU reading,
+    so a rank whose peak falls inside an action measures at least what it holds between actions
+    (0.98-1.09 of that over 3 runs), not always the promise (0.63-0.91 on 1F1B's last rank)."""
     results = run_ranks(_mlp_family, 2, timeout=300)
     for rank, cases in enumerate(results):
         for name, measured, promised, message, held in cases:
-            # + 3 messages, as benchmarks/memory_truth.py allows (a send packs the gradient into a
-            # buffer of its own while the gradient is alive), + 2 of timing, as
-            # test_every_schedule_holds_what_simulate_promises allows: GPipe's last rank moves by
-            # up to 4 messages between runs (a clean CI run: 3532 KB against 3313 promised, 1.066x)
-            assert measured <= promised + 5 * message, (name, rank, measured, promised)
+            assert measured <= 1.05 * promised, (name, rank, measured, promised, message)
             # Not loose: at least 0.9 of what the promise says is held between actions (the
             # actions' transients aside, which a sample may miss).
             assert measured >= 0.9 * held, (name, rank, measured, held, promised)
@@ -397,4 +394,9 @@ def test_stage_bytes_measures_a_first_stage_as_the_runtime_runs_it() -> None:
     assert 4 * message <= middle["activation_bytes"] < 4.4 * message, middle
     assert abs(again["activation_bytes"] - middle["activation_bytes"]) < 0.1 * message, (middle, again)
     assert middle["transient_bytes"] > 0 and first["transient_bytes"] > 0
+    # A last stage's backward in one pass (B) makes the loss's gradients and each Linear's input
+    # and weight gradients together: about 4 messages of temporaries where its I makes 1. B runs
+    # in 1F1B and GPipe, so the stage's transient (one number for all its actions) must cover it.
+    last = stage_bytes(module, example, loss_fn=_mse, target=torch.randn(ROWS, WIDTH))
+    assert last["transient_bytes"] >= 3 * message, last
     assert all(p.grad is None for p in module.parameters())
