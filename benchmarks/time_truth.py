@@ -46,6 +46,14 @@ def load() -> float:
         return float("nan")
 
 
+def wait_quiet(quiet: float, limit: float) -> float:
+    """Wait up to ``limit`` seconds for the 1-minute load average to fall below ``quiet``; the seconds waited."""
+    t0 = time.perf_counter()
+    while limit > 0 and load() > quiet and time.perf_counter() - t0 < limit:
+        time.sleep(5)
+    return time.perf_counter() - t0
+
+
 # ----------------------------------------------------------------------------- attribution
 
 
@@ -326,6 +334,13 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--plan-time-limit", type=float, default=5.0)
     parser.add_argument("--quiet-load", type=float, default=1.5, help="load average above which a run is LOADED")
+    parser.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="before each run, wait up to S seconds for the load average to fall below --quiet-load",
+    )
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args()
     print(f"load average before: {os.getloadavg()} ({os.cpu_count()} CPUs)", flush=True)
@@ -336,13 +351,16 @@ def main() -> int:
             for model in args.models:
                 order = args.schedules if k % 2 == 0 else list(reversed(args.schedules))
                 for schedule in order:
+                    waited = wait_quiet(args.quiet_load, args.wait_quiet)
                     before = load()
                     if model == "llama":
                         row = llama_run(schedule, args)
                     else:
                         row = preset_run(model, schedule, Path(tmp) / f"{model}-{schedule}-{k}", args)
                     after = load()
-                    row.update(model=model, schedule=schedule, round=k, load_before=before, load_after=after)
+                    row.update(
+                        model=model, schedule=schedule, round=k, load_before=before, load_after=after, waited_s=waited
+                    )
                     rows.append(row)
                     print(line(model, schedule, row, before, after, args.quiet_load), flush=True)
     print(f"load average after: {os.getloadavg()}")

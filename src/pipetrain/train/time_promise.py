@@ -43,6 +43,7 @@ __all__ = [
 
 LEFT_OUT = (
     "the loop's own time outside sched.step (drawing the batch, reading the losses)",
+    "the runtime's time between actions (Costs.action_overhead: not measured before the run, 20-30 us an action)",
     "waits longer than the measured latency (a rank's threads woken late on a busy machine)",
     "layers running slower or faster inside a stage than profiled one at a time",
 )
