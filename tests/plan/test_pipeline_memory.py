@@ -110,3 +110,22 @@ def test_plan_pipeline_never_returns_a_plan_over_its_limit_when_w_reads_more(see
         assert all(peak <= limit + 1e-6 for peak in peaks.values()), (tight, peaks, limit)
         assert plan.peak_memory_bytes == pytest.approx(peaks)
     assert fitted >= 2  # the ample limits fit
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_nothing_fits_names_the_least_memory_at_which_a_plan_is_returned(seed: int) -> None:
+    """Below every plan's memory the error names the least found (the microbatches one at a time,
+    simulated): with that limit plan_pipeline returns a plan within it; a little below, nothing."""
+    rng = random.Random(seed)
+    layers = _layers(rng, rng.randint(6, 9), 1.8, output=0.1)
+    statics = sum(x.static_bytes for x in layers) / 2
+    # (A limit above what the cut that balances static bytes leaves a rank, not found by a timed
+    # climb under every load, and below one microbatch's activations more.)
+    with pytest.raises(ScheduleError, match="static memory fits") as info:
+        plan_pipeline(layers, 2, 4, 1.1 * statics, comm=0.1, time_limit=0.3)
+    least = float(str(info.value).split("the least found is ")[1].split("(")[1].split(" bytes")[0])
+    plan = plan_pipeline(layers, 2, 4, least, comm=0.1, time_limit=0.3)
+    peaks = simulate(plan.schedule, plan.costs).peak_memory_bytes
+    assert peaks is not None and max(peaks.values()) <= least
+    with pytest.raises(ScheduleError, match="no plan fits"):
+        plan_pipeline(layers, 2, 4, 0.999 * least, comm=0.1, time_limit=0.3)

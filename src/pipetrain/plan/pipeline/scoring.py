@@ -53,6 +53,8 @@ class Scoring:
         self.baseline: list[Candidate] = []
         self.found: list[Candidate] = []
         self.hopeful: list[Candidate] = []  # fit the optimistic memory model only
+        self.searched: list[Layout] = []  # the layouts the search plans on
+        self._alone: list[Candidate] | None = None  # the microbatches one at a time (Search.one_at_a_time)
         self.log: list[str] = []
         self._started = time.perf_counter()
 
@@ -122,12 +124,18 @@ class Scoring:
         """The least memory rank ``r`` needs: one microbatch of each of its stages held (each
         backward as one B, so what W reads is never held beside it) with its largest transient,
         at the recompute choice that needs least (fast model)."""
+        return self.least_choice(layout, sv, r)[0]
+
+    def least_choice(self, layout: Layout, sv: StageValues, r: int) -> tuple[float, frozenset[int]]:
+        """(:meth:`least_need`, the recompute set of rank ``r``'s stages that gives it)."""
         stages = layout.rank_stages[r]
         static = sum(sv.static[s] for s in stages) + self.margin(layout, sv, r)
-        least = _INF
+        least: tuple[float, frozenset[int]] = (_INF, frozenset())
         for mask in masks_of(stages):
             held = sum(sv.held(s, mask) + (sv.inp[s] if layout.cross_in(s) else 0.0) for s in stages)
-            least = min(least, static + held + sv.rank_transient(stages, mask))
+            need = static + held + sv.rank_transient(stages, mask)
+            if need < least[0]:
+                least = (need, mask)
         return least
 
     def choose(

@@ -21,7 +21,11 @@
    (memory limit - static - transient - buffer margin), expressed through per-stage weights.
    Where no named order fits any cut, this is what plans.
 7. **Check.** Candidates best first are simulated with :func:`~pipetrain.plan.simulate` and the
-   first whose simulated peak fits is the plan.
+   first whose simulated peak fits is the plan. When none does, the microbatches run one at a
+   time (the least any order holds) on the hand splits' and the min-max cuts, without recompute,
+   with every stage recomputed and with each rank's cheapest choice, simulated: the fastest that
+   fits is the plan; when none fits, the ScheduleError names the least of their peaks, a limit at
+   which that plan is returned.
 """
 
 from __future__ import annotations
@@ -32,8 +36,9 @@ from collections.abc import Callable, Sequence
 from itertools import combinations
 
 from pipetrain.plan.autoplan import construct, exact, windows_fit
+from pipetrain.plan.autoplan.layout import one_at_a_time
 from pipetrain.plan.errors import ScheduleError
-from pipetrain.plan.pipeline.cuts import Cut, hand_splits, minmax_cut
+from pipetrain.plan.pipeline.cuts import Cut, hand_splits, minmax_cut, sizes_of
 from pipetrain.plan.pipeline.layers import format_bytes
 from pipetrain.plan.pipeline.model import Profile, Vectors
 from pipetrain.plan.pipeline.scoring import Scoring
@@ -87,6 +92,7 @@ class Search(Scoring):
 
     # ------------------------------------------------------------ the whole search
     def run(self, searched: Sequence[Layout], extra: Sequence[Layout]) -> None:
+        self.searched = list(searched)
         started = time.perf_counter()
         total = self.deadline - started
         seeds = self._hand_splits(searched, extra)
@@ -321,7 +327,38 @@ class Search(Scoring):
             peak = max((result.peak_memory_bytes or {0: 0.0}).values())
             if self.limit is None or peak <= self.limit + _EPS:
                 return cand
-        return None
+        fits = [c for c in self.one_at_a_time() if _peak(c) <= self.limit + _EPS] if self.limit is not None else []
+        return min(fits, key=lambda c: (c.makespan, _peak(c))) if fits else None
+
+    def one_at_a_time(self) -> list[Candidate]:
+        """The microbatches run one at a time (each rank holds one microbatch's activations at
+        most: the least any order holds), on every searched layout's hand-split and min-max cuts
+        (static bytes, time), without recompute, with every stage recomputed and with each rank's
+        cheapest choice by the fast model; simulated (once per search)."""
+        if self._alone is not None:
+            return self._alone
+        prof = self.profile
+        out: list[Candidate] = []
+        for layout in self.searched:
+            n = layout.num_stages
+            cuts = [cut for _, cut in hand_splits(_symbols(prof), prof.times, prof.static, n)]
+            cuts += [c for c in (minmax_cut(prof.static, n, prof.times), minmax_cut(prof.times, n)) if c is not None]
+            for cut in dict.fromkeys(cuts):
+                sv = self.values(cut)
+                cheapest = frozenset(s for r in range(self.P) for s in self.least_choice(layout, sv, r)[1])
+                for recompute in dict.fromkeys((frozenset[int](), frozenset(range(n)), cheapest)):
+                    problem = self.problem(layout, cut, recompute)
+                    assert problem is not None
+                    orders = one_at_a_time(problem)
+                    cand = Candidate(
+                        problem.makespan(orders), layout, cut, recompute, orders=orders, how="one at a time"
+                    )
+                    cand.schedule = layout.base.to_schedule(orders)
+                    cand.result = simulate(cand.schedule, sv.costs(recompute, self.comm))
+                    cand.makespan = cand.result.makespan
+                    out.append(cand)
+        self._alone = out
+        return out
 
     # ------------------------------------------------------------ errors
     def nothing_fits(self, searched: Sequence[Layout]) -> ScheduleError:
@@ -351,6 +388,20 @@ class Search(Scoring):
                 f"({layout.label}) leaves rank {r} with {format_bytes(value)} ({value:.0f} bytes) of parameters, "
                 f"gradients and optimizer state (layers {first} to {last})"
             )
+        alone = self.one_at_a_time()
+        if alone:
+            least = min(alone, key=lambda c: (_peak(c), c.makespan))
+            peaks = (least.result.peak_memory_bytes if least.result is not None else None) or {0: 0.0}
+            r = max(peaks, key=lambda k: peaks[k])
+            value = peaks[r]
+            recomputed = f"recompute {sorted(least.recompute)}" if least.recompute else "no recompute"
+            return ScheduleError(
+                f"no plan fits {limit}: static memory fits, but with one microbatch's activations (the "
+                f"microbatches one at a time), workspaces and message buffers the least found is "
+                f"{format_bytes(value)} ({value:.0f} bytes) on rank {r} ({least.layout.label}, stage sizes "
+                f"{sizes_of(least.cut)}, {recomputed}); with that limit a plan is returned. Give more memory "
+                "or a smaller microbatch"
+            )
         value, r, layout, cut = best_least
         return ScheduleError(
             f"no plan fits {limit}: static memory fits, but with one microbatch's activations (its "
@@ -376,6 +427,12 @@ class Search(Scoring):
         names = self.profile.names
         held = [k for s in layout.rank_stages[r] for k in range(cut[s], cut[s + 1])]
         return names[min(held)], names[max(held)]
+
+
+def _peak(cand: Candidate) -> float:
+    """A simulated candidate's busiest rank's peak."""
+    assert cand.result is not None
+    return max((cand.result.peak_memory_bytes or {0: 0.0}).values())
 
 
 def _caps(layout: Layout) -> list[list[Vectors]]:
