@@ -16,7 +16,8 @@ measured by :func:`pipetrain.memory.stage_bytes`, each stage's transient by
     python benchmarks/memory_truth.py --family mlp    # issue 37: every byte cost from stage_bytes
                                                       # (the first stage's as one), Costs(f=1, i=1,
                                                       # w=1, comm=0.05): GPipe, 1F1B, ZBH1,
-                                                      # Interleaved1F1B, ZB-V
+                                                      # Interleaved1F1B, ZB-V, auto_schedule at a
+                                                      # tight limit, a plan_pipeline plan
 
 Exits 1 when a rank's measured peak exceeds its promise by more than three messages (one action's
 temporaries), so ``gpu_check.py`` can run it as a check. ``--train`` runs ``pipetrain train`` (2
@@ -34,6 +35,7 @@ import socket
 import sys
 from dataclasses import replace
 from datetime import timedelta
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -57,7 +59,15 @@ SCHEDULES = [
 # --family mlp (issue 37): the same stages, priced as a user would from stage_bytes alone,
 # Costs(f=1, i=1, w=1, comm=0.05, **stage_bytes(...)): its transient too, no layer profile.
 SAMPLE_EVERY: float | None = None  # seconds between the meter thread's readings; None: measure_step's
-MLP_SCHEDULES = [("GPipe", 1), ("1F1B", 1), ("ZBH1", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2)]
+MLP_SCHEDULES = [
+    ("GPipe", 1),
+    ("1F1B", 1),
+    ("ZBH1", 1),
+    ("Interleaved1F1B", 2),
+    ("ZBVZeroBubble", 2),
+    ("auto", 2),  # auto_schedule at 0.9 of ZB-V's peak
+    ("plan", 4),  # plan_pipeline over 4 blocks per rank, at 0.85 of its peak without a limit
+]
 
 
 def _stage() -> nn.Module:
@@ -74,9 +84,11 @@ def _one(
     """(measured, promised, three messages, promised without transients: what is held between
     actions) for this rank under schedule ``name``."""
     from pipetrain import PipelineScheduleRuntime, PipelineStage
-    from pipetrain.memory import MemoryMeter, measure_step, stage_bytes
-    from pipetrain.plan import Costs, auto_schedule, build_schedule, simulate
+    from pipetrain.memory import stage_bytes
+    from pipetrain.plan import Costs, auto_schedule, build_schedule
 
+    if family == "mlp":
+        return _mlp_one(rank, world, name, v, device, keep)
     torch.manual_seed(0)
     num_stages = world * v
     modules = [_stage().to(device) for _ in range(num_stages)]
@@ -87,12 +99,28 @@ def _one(
         plan = build_schedule(name, num_ranks=world, num_microbatches=MICROBATCHES, stages_per_rank=v)
     stages = [PipelineStage(modules[s], s, num_stages, device) for s in plan.stages_of(rank)]
     runtime = PipelineScheduleRuntime(stages, plan, loss_fn=_mse)
-    x = torch.randn(MICROBATCHES * ROWS, WIDTH, device=device)
     y = torch.randn(MICROBATCHES * ROWS, WIDTH, device=device)
+    measured = _measure(runtime, rank, world, keep, device, y)
+    example = torch.randn(ROWS, WIDTH, device=device)
+    sizes = [stage_bytes(m, example, device=device) for m in modules[:-1]]
+    sizes.append(stage_bytes(modules[-1], example, loss_fn=_mse, target=y[:ROWS], device=device))
+    keys = ("activation_bytes", "weight_grad_bytes", "message_bytes")
+    transient = [_workspace(m, example, None) for m in modules[:-1]]
+    transient.append(_workspace(modules[-1], example, y[:ROWS]))
+    costs = Costs(f=1, b=2, comm=0.05, transient_bytes=transient, **{k: [s[k] for s in sizes] for k in keys})
+    return (measured, *_promise(runtime, costs, rank, keep))
+
+
+def _measure(runtime: Any, rank: int, world: int, keep: bool, device: torch.device, y: torch.Tensor) -> int:
+    """This rank's measured peak over the second of two steps (the first makes the gradients)."""
+    from pipetrain.memory import MemoryMeter, measure_step
+
+    plan = runtime.schedule
+    x = torch.randn(MICROBATCHES * ROWS, WIDTH, device=device)
     measured = 0
     for _ in range(2):
         kwargs: dict[str, Any] = {"return_outputs": keep}
-        if plan.stage_to_rank[num_stages - 1] == rank:
+        if plan.stage_to_rank[plan.num_stages - 1] == rank:
             kwargs.update(target=y, losses=[])
         if world > 1:
             dist.barrier()
@@ -103,25 +131,80 @@ def _one(
             with MemoryMeter(device, interval=SAMPLE_EVERY).attached(runtime) as meter:
                 runtime.step(*args, **kwargs)
             measured = meter.peak_bytes
-    example = torch.randn(ROWS, WIDTH, device=device)
-    sizes = [stage_bytes(m, example, device=device) for m in modules[:-1]]
-    sizes.append(stage_bytes(modules[-1], example, loss_fn=_mse, target=y[:ROWS], device=device))
-    keys = ("activation_bytes", "weight_grad_bytes", "message_bytes")
-    if family == "mlp":  # every byte cost from stage_bytes, the first stage's measured as one
-        try:
-            sizes[0] = stage_bytes(modules[0], example, device=device, first=True)
-        except TypeError:  # a pipetrain from before issue 37 (no ``first``): measured as any stage
-            pass
-        bytes_ = {k: [s[k] for s in sizes] for k in sizes[0]}
-        costs = Costs(f=1, i=1, w=1, comm=0.05, **bytes_)
-    else:
-        transient = [_workspace(m, example, None) for m in modules[:-1]]
-        transient.append(_workspace(modules[-1], example, y[:ROWS]))
-        costs = Costs(f=1, b=2, comm=0.05, transient_bytes=transient, **{k: [s[k] for s in sizes] for k in keys})
+    return measured
+
+
+def _promise(runtime: Any, costs: Any, rank: int, keep: bool) -> tuple[float, float, float]:
+    """(promised, three messages, promised without transients) for this rank: simulate of what runs."""
+    from pipetrain.plan import simulate
+
     promised = simulate(runtime.schedule, costs, keep_outputs=keep).peak_memory_bytes
     held = simulate(runtime.schedule, replace(costs, transient_bytes=None), keep_outputs=keep).peak_memory_bytes
     assert promised is not None and held is not None
-    return measured, promised[rank], 3.0 * max(s["message_bytes"] for s in sizes), held[rank]
+    return promised[rank], 3.0 * max(costs.per_stage("message_bytes", runtime.schedule.num_stages)), held[rank]
+
+
+def _mlp_one(
+    rank: int, world: int, name: str, v: int, device: torch.device, keep: bool
+) -> tuple[int, float, float, float]:
+    """:func:`_one` for issue 37's family: ``world * v`` blocks, each priced by stage_bytes alone
+    (the first as a first stage), ``Costs(f=1, i=1, w=1, comm=0.05, **bytes)`` for a named
+    schedule; "auto": auto_schedule at 0.9 of ZB-V's peak; "plan": plan_pipeline over the blocks as
+    layers (their stage_bytes; the transient as workspace) at 0.85 of its own peak without a limit
+    (ample, if that does not fit). Rank 0 plans (a timed search) and the others run its plan."""
+    from pipetrain import PipelineScheduleRuntime, PipelineStage
+    from pipetrain.memory import stage_bytes
+    from pipetrain.plan import Costs, LayerCost, ScheduleError, auto_schedule, build_schedule, plan_pipeline, simulate
+    from pipetrain.recompute import recompute
+
+    torch.manual_seed(0)
+    blocks = [_stage().to(device) for _ in range(world * v)]
+    example, target = torch.randn(ROWS, WIDTH, device=device), torch.randn(ROWS, WIDTH, device=device)
+    sizes = [stage_bytes(blocks[0], example, device=device, first=True)]
+    sizes += [stage_bytes(m, example, device=device) for m in blocks[1:-1]]
+    sizes.append(stage_bytes(blocks[-1], example, loss_fn=_mse, target=target, device=device))
+    costs = Costs(f=1, i=1, w=1, comm=0.05, **{k: [s[k] for s in sizes] for k in sizes[0]})
+    modules: list[nn.Module] = list(blocks)
+    planned: Any = None
+    if name == "auto" and rank == 0:
+        zbv = simulate(build_schedule("ZBVZeroBubble", world, MICROBATCHES, 2), costs).peak_memory_bytes
+        assert zbv is not None
+        limit = 0.9 * max(zbv.values())
+        planned = auto_schedule(world, MICROBATCHES, costs, memory_limit=limit, stages_per_rank=v, time_limit=2)
+    elif name == "plan" and rank == 0:
+        layers = [
+            LayerCost(
+                f"block{k}", f=1.0, i=1.0, w=1.0, activation_bytes=s["activation_bytes"],
+                weight_grad_bytes=s["weight_grad_bytes"], output_bytes=s["message_bytes"],
+                workspace_bytes=s["transient_bytes"],
+            )
+            for k, s in enumerate(sizes)
+        ]  # fmt: skip
+        planned = plan_pipeline(layers, world, MICROBATCHES, None, comm=0.05, time_limit=2)
+        try:
+            planned = plan_pipeline(layers, world, MICROBATCHES, 0.85 * planned.memory, comm=0.05, time_limit=2)
+        except ScheduleError:
+            pass
+    if name in ("auto", "plan"):
+        shared = [planned]
+        dist.broadcast_object_list(shared, src=0)
+        planned = shared[0]
+    if name == "plan":
+        plan = planned.schedule
+        costs = planned.costs
+        bounds = [0]
+        for names in planned.stage_layers:
+            bounds.append(bounds[-1] + len(names))
+        modules = [nn.Sequential(*blocks[a:b]) for a, b in pairwise(bounds)]
+        modules = [recompute(m) if s in planned.recompute else m for s, m in enumerate(modules)]
+    elif name == "auto":
+        plan = planned
+    else:
+        plan = build_schedule(name, num_ranks=world, num_microbatches=MICROBATCHES, stages_per_rank=v)
+    stages = [PipelineStage(modules[s], s, len(modules), device) for s in plan.stages_of(rank)]
+    runtime = PipelineScheduleRuntime(stages, plan, loss_fn=_mse)
+    measured = _measure(runtime, rank, world, keep, device, torch.randn(MICROBATCHES * ROWS, WIDTH, device=device))
+    return (measured, *_promise(runtime, costs, rank, keep))
 
 
 def _workspace(module: nn.Module, example: torch.Tensor, target: torch.Tensor | None) -> float:
