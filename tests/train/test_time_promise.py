@@ -179,7 +179,13 @@ def test_the_time_line_names_the_terms_and_the_ratio() -> None:
     assert check["measured_step_s"] == 3.0  # the slowest rank's
     assert check["ratio"] == pytest.approx(3.0 / promise["step_s"])
     text = time_line(check)
-    for words in ("measured 3000.0 ms", "optimizer step", "message posts (100+200 us", "not priced", LEFT_OUT[0]):
+    for words in (
+        "measured 3000.0 ms a step",
+        "optimizer step",
+        "message posts (100+200 us",
+        "not priced",
+        LEFT_OUT[0],
+    ):
         assert words in text
     assert "no simulated step" in time_line(_time_check(None, timing))
 

@@ -273,7 +273,7 @@ def plan_layers(
         f"auto: profiled {len(plan.layers)} layers; planned {len(plan.stage_layers)} stages "
         f"[{_stage_text(plan.stage_layers, plan.schedule)}], {plan.schedule.name or 'schedule'}, "
         f"recompute {recompute or 'none'}: simulated step {plan.makespan * 1e3:.4g} ms "
-        f"(layers, latency and optimizer step; message posts in the step time at the end), peak {peaks} "
+        f"(layers, latency and optimizer step; message posts in the time promise at the end), peak {peaks} "
         f"(limit {format_bytes(memory_limit) if limit is not None else 'none'})"
     )
     if baseline is not None:

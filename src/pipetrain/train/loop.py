@@ -324,15 +324,15 @@ def _time_check(promise: dict[str, Any] | None, timing: dict[str, dict[str, floa
 
 
 def time_line(time_check: dict[str, Any]) -> str:
-    """``step time: measured 271 ms (median), simulated 262 ms (1.03x): compute 240, ...``."""
+    """``time promise: measured 271 ms a step (median), simulated 262 ms (1.03x): layers and latency 240 ms, ...``."""
     measured = time_check["measured_step_s"] * 1e3
     promise = time_check.get("promise")
     if promise is None:
-        return f"step time: measured {measured:.1f} ms (median after 2 steps); no simulated step (no profile)"
+        return f"time promise: measured {measured:.1f} ms a step (median after 2 steps); no simulated step (no profile)"
     terms = promise["terms"]
     ms = {k: promise[k] * 1e3 for k in ("compute_s", "optimizer_s", "step_s")}
     return (
-        f"step time: measured {measured:.1f} ms (median after 2 steps), simulated {ms['step_s']:.1f} ms "
+        f"time promise: measured {measured:.1f} ms a step (median after 2 steps), simulated {ms['step_s']:.1f} ms "
         f"({time_check['ratio']:.2f}x): layers and latency {ms['compute_s']:.1f} ms, with the optimizer step "
         f"{ms['optimizer_s']:.1f} ms, with message posts ({terms['send_s'] * 1e6:.0f}+{terms['recv_s'] * 1e6:.0f} us "
         f"a message) {ms['step_s']:.1f} ms; not priced: " + "; ".join(promise["left_out"])
