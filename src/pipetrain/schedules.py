@@ -35,6 +35,7 @@ from pipetrain.errors import PipelineError
 from pipetrain.liveness import PipelineActivationLiveness, analyze_pipeline_activation_liveness
 from pipetrain.plan import Action, ActionKind, ScheduleError, build_schedule
 from pipetrain.plan import Schedule as PlanSchedule
+from pipetrain.plan.actions import parse_torch_wait
 from pipetrain.plan.generators import ScheduleFamily, did_you_mean, family, schedule_names
 from pipetrain.plan.passes.fsdp import DEFAULT_MAX_UNSHARDED
 from pipetrain.runtime import LossFn, PipelineScheduleRuntime, announce_failure, read_torch_csv
@@ -276,6 +277,30 @@ class _NamedSchedule(PipelineScheduleRuntime):
             super()._load_csv(filename, format)
             return
         self._adopt(read_torch_csv(filename, format, self.n_microbatches), filename)
+
+    def _prepare_schedule_with_comms(self, actions: dict[int, list[Any]], format: str = "compute_only") -> None:
+        """torch's loader of a ``{rank: [action or None, ...]}`` order, what ``_load_csv`` reads
+        from a file: compute actions only (lowered here) or, with ``format="compute_comms"``, with
+        their SEND/RECV (torch 2.15's waits dropped, as a file's are)."""
+        if format not in ("compute_only", "compute_comms"):
+            raise ValueError(f"format must be 'compute_only' or 'compute_comms', got {format!r}")
+        source = "_prepare_schedule_with_comms"
+        rows = {
+            r: [None if a is None else Action.parse(str(a)) for a in row if a is None or not parse_torch_wait(str(a))]
+            for r, row in actions.items()
+        }
+        schedule = PlanSchedule(rows, num_microbatches=self.n_microbatches)
+        if format == "compute_only" and schedule.is_lowered:
+            raise PipelineError(f"{source}: the actions hold SEND/RECV; pass format='compute_comms'")
+        if format == "compute_comms" and not schedule.is_lowered and schedule.num_ranks > 1:
+            raise PipelineError(
+                f"{source}: format='compute_comms' but the actions of {schedule.num_ranks} ranks hold no SEND/RECV; "
+                "pass format='compute_only' to have them added"
+            )
+        if self._pending is not None:
+            self._adopt(schedule, source)
+        else:
+            self._use_schedule(schedule, source)
 
     def _adopt(self, schedule: PlanSchedule, source: str) -> None:
         """Make the runtime for ``schedule`` (a file's, or a ``pipeline_order`` assigned), once it

@@ -418,13 +418,13 @@ def test_compiling_between_the_linears_keeps_their_gemms_for_w() -> None:
     torch.testing.assert_close(grads["IW"], grads["B"])
 
 
-def test_compile_for_split_leaves_the_linears_to_w() -> None:
+def test_compile_for_split_linears_leaves_the_linears_to_w() -> None:
     from pipetrain import PipelineError
     from pipetrain.compiled import compile_for_split
 
     torch.manual_seed(0)
     base = Block()
-    compiled = compile_for_split(copy.deepcopy(base), backend="aot_eager")
+    compiled = compile_for_split(copy.deepcopy(base), split="linears", backend="aot_eager")
     assert {n for n, _ in compiled.named_parameters()} == {"_orig_mod." + n for n, _ in base.named_parameters()}
     stage = PipelineStage(compiled, 1, 3, "cpu")
     x, g = torch.randn(2, 5, 16, requires_grad=True), torch.randn(2, 5, 16)
@@ -440,7 +440,7 @@ def test_compile_for_split_leaves_the_linears_to_w() -> None:
     torch.testing.assert_close([p.grad for p in compiled.parameters()], [p.grad for p in base.parameters()])
     torch.testing.assert_close(gx, x2.grad)
     with pytest.raises(PipelineError, match="fullgraph=True cannot hold"):
-        compile_for_split(Block(), fullgraph=True)
+        compile_for_split(Block(), split="linears", fullgraph=True)
 
 
 @pytest.mark.parametrize("first", [False, True])

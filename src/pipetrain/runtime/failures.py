@@ -68,9 +68,11 @@ class FailureChannel:
             pass
 
     def check(self) -> str | None:
+        """The story of a failure some rank reported, or None. A report is never empty: an empty
+        value is a store that answers for keys nobody set (torch 2.15's ``FakeStore``)."""
         try:
             if self.store.check([self._message]):
-                return bytes(self.store.get(self._message)).decode()
+                return bytes(self.store.get(self._message)).decode() or None
         except Exception:
             return None
         return None
