@@ -212,6 +212,7 @@ def test_timeline_terms_split_a_rank_into_compute_posts_and_gaps() -> None:
     terms = timeline_terms(Timeline(2, events, source="measured", unit="s"), schedule)
     r0, r1 = terms["ranks"]["0"], terms["ranks"]["1"]
     assert (r0["span"], r0["compute"], r0["posts"]) == pytest.approx((6.0, 3.0, 0.2))
+    assert (r0["first_start"], r1["first_start"]) == (0.0, 0.0)
     assert r0["gaps"] == pytest.approx(2.8)
     assert (r1["compute"], r1["posts"], r1["actions"]) == pytest.approx((2.0, 0.25, 2))
     assert terms["ready_gap"] == pytest.approx(0.25)
@@ -245,3 +246,23 @@ def test_pipetrain_plan_prices_a_layers_files_optimizer(tmp_path: Path, capsys: 
     without = plan_pipeline(_layers(), 1, 4, None, time_limit=1).makespan
     assert summary["makespan"] == pytest.approx(without + 3.5)
     assert any("optimizer step where" in t for t in summary["makespan_terms"]["prices"])
+
+
+# ----------------------------------------------------------------------------- profile_layers measures it
+
+
+def test_profile_layers_times_each_layers_optimizer_step_and_none_for_a_layer_without_parameters() -> None:
+    torch = pytest.importorskip("torch")
+    from torch import nn
+
+    from pipetrain import profile_layers
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    layers = profile_layers(
+        model, torch.randn(4, 8), loss_fn=nn.functional.mse_loss, target=torch.zeros(4, 4), repeats=2
+    )
+    assert [layer.name for layer in layers] == ["0", "1", "2"]
+    assert layers[0].optimizer > 0 and layers[2].optimizer > 0
+    assert layers[1].optimizer == 0.0
+    assert all(p.grad is None for p in model.parameters())  # timed on copies: the model is as it was

@@ -164,7 +164,9 @@ def _needs_message(kind: str, stage: int, schedule: Schedule) -> bool:
 
 
 def timeline_terms(timeline: Timeline, schedule: Schedule) -> dict[str, Any]:
-    """What a measured step spent, per rank (seconds): ``span`` its first to last event,
+    """What a measured step spent, per rank (seconds): ``first_start`` when its first event began
+    (from the step's start, where the timeline counts from it: the runtime's set-up, the input's
+    split into microbatches), ``span`` its first to last event,
     ``compute`` in compute actions, ``posts`` posting messages, ``gaps`` the rest (waits and the
     runtime's time between actions); and over all ranks the medians of a SEND's and a RECV's
     post and of the gap before a compute action whose inputs were on the rank already (``ready_gap``:
@@ -196,6 +198,7 @@ def timeline_terms(timeline: Timeline, schedule: Schedule) -> dict[str, Any]:
             prev_end = e.end if prev_end is None else max(prev_end, e.end)
         span = events[-1].end - events[0].start
         ranks[str(rank)] = {
+            "first_start": events[0].start,
             "span": span,
             "compute": compute,
             "posts": posts,
