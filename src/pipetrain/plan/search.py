@@ -48,6 +48,7 @@ from pipetrain.plan.autoplan import (
     construct,
     exact,
     polish,
+    polish_deadline,
     uses_windows,
     windows_fit,
 )
@@ -435,8 +436,9 @@ def plan_schedule(
         # rest of the time to the next layout.
         found.sort(key=lambda item: item[0])
         polished: list[tuple[float, Problem, Orders]] = []
-        for makespan, problem, orders in found:
-            orders, makespan = polish(problem, orders, makespan, search_deadline, rng, blocks_first=best_named is None)
+        for index, (makespan, problem, orders) in enumerate(found):
+            until = polish_deadline(problem, search_deadline, len(found) - index)
+            orders, makespan = polish(problem, orders, makespan, until, rng, blocks_first=best_named is None)
             polished.append((makespan, problem, orders))
         found = polished
     # What the search found, simulated as the caller will (searched again with less room where

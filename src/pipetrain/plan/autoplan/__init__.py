@@ -29,6 +29,7 @@ __all__ = [
     "construct",
     "merge_backward",
     "polish",
+    "polish_deadline",
     "uses_windows",
     "windows_fit",
 ]
@@ -42,6 +43,7 @@ _GREEDY_SHARE = 0.35  # of the time: list scheduling under the rule grid and ran
 _EXACT_SHARE = 0.5  # of what is left, for CP-SAT when ortools is installed and the problem is small
 _EXACT_MAX_ACTIONS = 1000  # beyond, windows gain less than local search
 SECONDS_PER_ACTION = 4e-5
+_WHOLE_LOOK_SHARE = 0.4  # of a first look's time, for a problem CP-SAT then solves whole
 
 
 def _policies(problem: Problem) -> Iterator[Policy]:
@@ -134,6 +136,10 @@ def construct(
     """The best orders found by ``deadline`` (never worse than a seed that fits), and their makespan:
     list scheduling, local search, then :func:`polish` for ``polish_share`` of what time is left
     (by default most of it when ortools can take it, else none)."""
+    if polish_share == 0.0 and uses_windows(problem) and exact.solved_whole_first(problem):
+        # A first look before CP-SAT solves the problem whole: a start is all it needs, and the
+        # time kept goes to that solve (which finds more than local search from a better start).
+        deadline = time.perf_counter() + _WHOLE_LOOK_SHARE * max(0.0, deadline - time.perf_counter())
     pool: list[tuple[tuple[float, float], Orders]] = []
     for seed_orders in seeds:
         if problem.complete(seed_orders) and problem.fits(seed_orders):
@@ -181,6 +187,16 @@ def uses_windows(problem: Problem) -> bool:
     """Whether :func:`polish` searches ``problem`` with CP-SAT over windows: it fits and CP-SAT is
     imported (see :func:`.exact.preload`)."""
     return exact.ready() and windows_fit(problem)
+
+
+def polish_deadline(problem: Problem, deadline: float, layouts_left: int) -> float:
+    """When to stop polishing ``problem``, the first of ``layouts_left`` layouts still to polish
+    by ``deadline``: one that CP-SAT solves whole gets an equal share of what is left (the layout
+    that looks best before CP-SAT is not always the optimum's), another all of it."""
+    if not (uses_windows(problem) and exact.solved_whole_first(problem)):
+        return deadline
+    now = time.perf_counter()
+    return now + max(0.0, deadline - now) / max(1, layouts_left)
 
 
 def polish(
