@@ -39,7 +39,13 @@ def _torch(row: list[Any]) -> list[Any]:
 
 
 def _text(rows: dict[int, list[Any]]) -> dict[int, list[str]]:
-    return {r: [str(a) for a in row] for r, row in rows.items()}
+    return {r: _no_waits(row) for r, row in rows.items()}
+
+
+def _no_waits(row: list[Any]) -> list[str]:
+    """A row as text without torch 2.15's wait actions (``1WAIT_REDUCE_GRAD``, ``0WAIT_SEND_F3``),
+    which its passes add and pipetrain's grammar reads and drops; on torch 2.13 there are none."""
+    return [str(a) for a in row if "WAIT_" not in str(a)]
 
 
 @pytest.mark.parametrize(("name", "ranks", "mbs", "spr"), GRID)
@@ -53,9 +59,7 @@ def test_the_passes_match_torchs(name: str, ranks: int, mbs: int, spr: int) -> N
 
     for r, row in order.items():
         assert [str(a) for a in ours._merge_bw(row)] == [str(a) for a in theirs._merge_bw(_torch(row))]
-        assert [str(a) for a in ours._add_reduce_grad(row, mbs)] == [
-            str(a) for a in theirs._add_reduce_grad(_torch(row), mbs)
-        ]
+        assert [str(a) for a in ours._add_reduce_grad(row, mbs)] == _no_waits(theirs._add_reduce_grad(_torch(row), mbs))
         assert [str(a) for a in ours._add_unshard_reshard(row)] == [
             str(a) for a in theirs._add_unshard_reshard(_torch(row))
         ], (name, r)
