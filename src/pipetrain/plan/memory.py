@@ -142,9 +142,9 @@ def peak_memory(
         _kept_outputs(per_rank[rank_of[-1]], cells, n_mb, costs.per_stage("message_bytes", n_st)[-1], outputs_until)
     peaks = Peaks({}, {}, {} if in_bytes else None, {} if in_bytes else None)
     static = _per_rank_sum(costs, "static_bytes", rank_of, n_rk)
-    throughout = _transients(per_rank, rank_of, n_mb, cells, costs, events)
+    throughout, marked = _transients(per_rank, rank_of, n_mb, cells, costs, events)
     for r in range(n_rk):
-        best, at, best_b, at_b = _sweep(per_rank[r])
+        best, at, best_b, at_b = _sweep(per_rank[r], marked[r])
         peaks.count[r], peaks.count_time[r] = best, at
         if peaks.bytes is not None and peaks.bytes_time is not None:
             peaks.bytes[r] = static[r] + best_b + throughout[r]
@@ -152,13 +152,23 @@ def peak_memory(
     return peaks
 
 
-def _sweep(changes: list[Change]) -> tuple[int, float, float, float]:
+def _sweep(changes: list[Change], marked: bool) -> tuple[int, float, float, float]:
     """(peak count, its time, peak bytes with the running action's transient, its time) of one
-    rank's changes, in their order."""
+    rank's changes, in their order (``marked``: they hold transient markers)."""
     held = best = 0
     held_b = best_b = running = 0.0
     at = at_b = 0.0
-    for t, _, flag, dc, db in sorted(changes):
+    ordered = sorted(changes)
+    if not marked:  # no transient: the plain sweep
+        for t, _, _, dc, db in ordered:
+            held += dc
+            if held > best:
+                best, at = held, t
+            held_b += db
+            if held_b > best_b:
+                best_b, at_b = held_b, t
+        return best, at, best_b, at_b
+    for t, _, flag, dc, db in ordered:
         if flag == _CLOSE:
             running = 0.0
             continue
@@ -176,20 +186,22 @@ def _sweep(changes: list[Change]) -> tuple[int, float, float, float]:
 
 def _transients(
     per_rank: list[list[Change]], rank_of: list[int], n_mb: int, cells: Cells, costs: Costs, events: list[Event] | None
-) -> list[float]:
-    """Each compute action's transient as markers among ``per_rank``'s changes (module docs);
-    without ``events`` (no action times) each rank's largest, returned to hold throughout."""
+) -> tuple[list[float], list[bool]]:
+    """Each compute action's transient as markers among ``per_rank``'s changes (module docs), and
+    per rank whether it got any; without ``events`` (no action times) each rank's largest instead,
+    returned to hold throughout."""
     throughout = [0.0] * len(per_rank)
+    marked = [False] * len(per_rank)
     if costs.transient_bytes is None:
-        return throughout
+        return throughout, marked
     transient = _stage_transients(costs, cells, n_mb, len(rank_of))
     if events is not None:
-        _transient_markers(per_rank, transient, events)
-        return throughout
+        _transient_markers(per_rank, transient, events, marked)
+        return throughout, marked
     for s, value in enumerate(transient):
         if rank_of[s] >= 0:
             throughout[rank_of[s]] = max(throughout[rank_of[s]], value)
-    return throughout
+    return throughout, marked
 
 
 def _stage_transients(costs: Costs, cells: Cells, n_mb: int, n_st: int) -> list[float]:
@@ -200,8 +212,11 @@ def _stage_transients(costs: Costs, cells: Cells, n_mb: int, n_st: int) -> list[
     return [values[s] if any(grad_end[s * n_mb + m] is not None for m in range(n_mb)) else 0.0 for s in range(n_st)]
 
 
-def _transient_markers(per_rank: list[list[Change]], transient: list[float], events: list[Event]) -> None:
-    """Each compute action's transient, from its start to its end (module docs), as markers."""
+def _transient_markers(
+    per_rank: list[list[Change]], transient: list[float], events: list[Event], marked: list[bool]
+) -> None:
+    """Each compute action's transient, from its start to its end (module docs), as markers;
+    ``marked[rank]`` set where a rank got any."""
     if not any(transient):
         return
     codes = CODE
@@ -209,14 +224,12 @@ def _transient_markers(per_rank: list[list[Change]], transient: list[float], eve
         code = codes[action.kind]
         if code > C_OVERLAP:
             continue
-        if code == C_OVERLAP:
-            value = max(transient[part.stage] for part in action.parts)
-        else:
-            value = transient[action.stage]
+        value = max(transient[p.stage] for p in action.parts) if code == C_OVERLAP else transient[action.stage]
         if value > 0.0:
             changes = per_rank[rank]
             changes.append((start, eid, _OPEN, 0, value))
             changes.append((end, eid + _MADE, _CLOSE, 0, value))
+            marked[rank] = True
 
 
 def _kept_outputs(changes: list[Change], cells: Cells, n_mb: int, size: float, end: float) -> None:
