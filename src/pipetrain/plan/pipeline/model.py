@@ -165,7 +165,8 @@ class StageValues:
         return (self.act[s] if s in recompute else 0.0) + self.work[s]
 
     def rank_transient(self, stages: Sequence[int], recompute: frozenset[int] | set[int]) -> float:
-        """A rank's transient: the largest of its stages' (one action at a time)."""
+        """The largest of a rank's stages' transients: what the construction's budget and the
+        least-need estimate hold throughout, a bound on each counted at its own action's time."""
         return max((self.transient(s, recompute) for s in stages), default=0.0)
 
 
