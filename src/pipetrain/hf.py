@@ -15,7 +15,10 @@ Covers two layouts of transformers 5:
 - ``transformer.wte`` (+ ``transformer.wpe`` positions, ``transformer.drop``) → ``transformer.h``
   → ``transformer.ln_f`` → ``lm_head``: GPT-2.
 
-Every token attends causally (no padding mask, no cache): the training case. A head tied to the
+Every token attends causally; a padding mask (the tokenizer's ``attention_mask``, 1 for a token, 0
+for padding) is a step keyword: ``schedule.step(ids, attention_mask=mask, target=labels)`` gives it
+to every stage, split into microbatches, and each decoder layer makes its mask from it as the model
+does (no cache: the training case). A head tied to the
 embedding (``tie_word_embeddings``, GPT-2's default) stays one weight: on one rank (a V schedule)
 autograd sums its gradient; on two, the runtime sums the copies' gradients after each step
 (:mod:`pipetrain.runtime.tied`).
@@ -55,12 +58,12 @@ def _mask_maker(config: Any) -> Any:
 
     accepted = inspect.signature(create_causal_mask).parameters
 
-    def mask(hidden: torch.Tensor, position_ids: torch.Tensor) -> Any:
+    def mask(hidden: torch.Tensor, position_ids: torch.Tensor, padding: torch.Tensor | None) -> Any:
         given: dict[str, Any] = {
             "config": config,
             "inputs_embeds": hidden,
             "input_embeds": hidden,
-            "attention_mask": None,
+            "attention_mask": padding,
             "cache": None,
             "past_key_values": None,
             "position_ids": position_ids,
@@ -95,11 +98,11 @@ def _llama_layers(model: nn.Module, config: Any) -> list[tuple[str, nn.Module]]:
     rotary, head = _part(model, "model.rotary_emb"), _part(model, "lm_head")
     mask = _mask_maker(config)
 
-    def call(layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    def call(layer: nn.Module, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         position_ids = _positions(hidden)
         out = layer(
             hidden,
-            attention_mask=mask(hidden, position_ids),
+            attention_mask=mask(hidden, position_ids, attention_mask),
             position_embeddings=rotary(hidden, position_ids=position_ids),
             position_ids=position_ids,
         )
@@ -123,9 +126,9 @@ def _gpt2_layers(model: nn.Module, config: Any) -> list[tuple[str, nn.Module]]:
         out: torch.Tensor = drop(tokens + wpe(_positions(tokens)))
         return out
 
-    def call(layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    def call(layer: nn.Module, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         position_ids = _positions(hidden)
-        out = layer(hidden, None, mask(hidden, position_ids), position_ids=position_ids)
+        out = layer(hidden, None, mask(hidden, position_ids, attention_mask), position_ids=position_ids)
         result: torch.Tensor = out[0] if isinstance(out, tuple) else out
         return result
 

@@ -16,6 +16,7 @@ model differently are refused before their first step (:mod:`pipetrain.runtime.a
 from __future__ import annotations
 
 import hashlib
+import inspect
 import math
 import statistics
 import time
@@ -199,10 +200,14 @@ class CalledLayer(nn.Module):
     ``call(layer, x)`` (e.g. a decoder layer given rotary embeddings and a causal mask made from
     ``x``, see :func:`pipetrain.hf.decoder_layers`). Stages register ``layer`` itself under the
     layer's name and each of ``shared`` (modules the call uses, by their paths in the model) under
-    its path, so a stage's parameter names stay the model's."""
+    its path, so a stage's parameter names stay the model's.
+
+    Keyword inputs of a step (a padding mask, a document mask: ``schedule.step(x,
+    attention_mask=m)`` gives them to every stage) reach ``call`` as keywords where it takes them
+    (``call(layer, x, attention_mask=None)``); a stage's other layers get ``x`` alone."""
 
     def __init__(
-        self, layer: nn.Module, call: Callable[[nn.Module, Any], Any], shared: Mapping[str, nn.Module] | None = None
+        self, layer: nn.Module, call: Callable[..., Any], shared: Mapping[str, nn.Module] | None = None
     ) -> None:
         super().__init__()
         self.layer = layer
@@ -210,17 +215,22 @@ class CalledLayer(nn.Module):
         for k, (_, module) in enumerate(self.shared):
             self.add_module(f"shared_{k}", module)  # moved with the layer when used on its own
         self.call = call
+        params = inspect.signature(call).parameters.values()
+        self._any_keyword = any(p.kind is p.VAR_KEYWORD for p in params)
+        self._keywords = frozenset(p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))
 
-    def forward(self, x: Any) -> Any:
-        return self.call(self.layer, x)
+    def forward(self, x: Any, **kwargs: Any) -> Any:
+        taken = kwargs if self._any_keyword else {k: v for k, v in kwargs.items() if k in self._keywords}
+        return self.call(self.layer, x, **taken)
 
 
 class LayerStage(nn.Module):
     """Layers run one after another, registered under their paths in the whole model.
 
     What :func:`split_layers` returns when an ``nn.Sequential`` cannot carry the names: a path
-    with dots (``blocks.3``) or a layer that runs twice. ``state_dict()`` keys are then the whole
-    model's keys; ``len``, iteration and integer indexing follow the run order.
+    with dots (``blocks.3``), a layer that runs twice, or a :class:`CalledLayer` (which takes a
+    step's keyword inputs). ``state_dict()`` keys are then the whole model's keys; ``len``,
+    iteration and integer indexing follow the run order.
     """
 
     def __init__(self, named_layers: Sequence[tuple[str, nn.Module]]) -> None:
@@ -231,9 +241,9 @@ class LayerStage(nn.Module):
             order.append(layer)
         self._order = tuple(order)  # a tuple is not registered again: each layer appears once above
 
-    def forward(self, x: Any) -> Any:
+    def forward(self, x: Any, **kwargs: Any) -> Any:
         for layer in self._order:
-            x = layer(x)
+            x = layer(x, **kwargs) if kwargs and isinstance(_unwrapped(layer), CalledLayer) else layer(x)
         return x
 
     def __len__(self) -> int:
@@ -244,6 +254,16 @@ class LayerStage(nn.Module):
 
     def __iter__(self) -> Iterator[nn.Module]:
         return iter(self._order)
+
+
+def _unwrapped(layer: nn.Module) -> nn.Module:
+    """The layer inside the wrappers pipetrain and torch put around one (checkpointing, compile)."""
+    for _ in range(8):
+        inner = next((layer._modules[n] for n in _WRAPPED if layer._modules.get(n) is not None), None)
+        if inner is None:
+            return layer
+        layer = inner
+    return layer
 
 
 def _register(root: nn.Module, path: str, layer: nn.Module) -> None:
@@ -493,7 +513,8 @@ def _mark(parts: Sequence[Sequence[tuple[str, nn.Module]]]) -> list[nn.Module]:
     """One stage module per part, each remembering the whole cut (:class:`StageCut`)."""
     layers = tuple(tuple(name for name, _ in part) for part in parts)
     digests = tuple(_digest(part) for part in parts)
-    stages = [_stage(part) for part in parts]
+    plain = not any(isinstance(_unwrapped(m), CalledLayer) for part in parts for _, m in part)
+    stages = [_stage(part, plain) for part in parts]
     tied = _tied(stages)
     for index, stage in enumerate(stages):
         stage.__dict__["_pipetrain_cut"] = StageCut(layers, index, digests, tied)
@@ -520,9 +541,11 @@ def stage_cut(module: nn.Module) -> StageCut | None:
     return None
 
 
-def _stage(named: Sequence[tuple[str, nn.Module]]) -> nn.Module:
+def _stage(named: Sequence[tuple[str, nn.Module]], plain: bool = True) -> nn.Module:
+    """An ``nn.Sequential`` where it can carry the names and no stage of the cut takes keyword
+    inputs (``plain``: no :class:`CalledLayer` in the whole cut, since a step gives its keywords
+    to every stage), else a :class:`LayerStage`."""
     names = [name for name, _ in named]
-    plain = not any(isinstance(m, CalledLayer) for _, m in named)
     if plain and len(set(names)) == len(names) and not any("." in name for name in names):
         return nn.Sequential(OrderedDict(named))
     return LayerStage(named)

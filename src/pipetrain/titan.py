@@ -2,9 +2,11 @@
 they are: ``tok_embeddings``, each of ``layers`` called as the model's ``forward`` calls it
 (``layer(h, attention_masks, positions)``), ``norm``, ``lm_head``, under the model's own names, for
 :func:`pipetrain.profile_layers`, :func:`pipetrain.plan.plan_pipeline` and
-:func:`pipetrain.split_by_names`. The masks and positions are those of ``model(tokens)``: none
-(SDPA's causal attention). Document masks (FlexAttention's ``BlockMask``, packed sequences) vary per
-batch: pass them to the stages as step keywords instead (guide §12, torchtitan).
+:func:`pipetrain.split_by_names`. Without keywords the masks and positions are those of
+``model(tokens)``: none (SDPA's causal attention). Document masks (FlexAttention's ``BlockMask``,
+packed sequences) and positions vary per batch: give them to the step as keywords,
+``schedule.step(tokens, attention_masks=masks, target=labels)``; every stage gets them, split into
+microbatches, and each layer is called with them.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from pipetrain.split import CalledLayer
 __all__ = ["decoder_layers"]
 
 
-def _call(layer: nn.Module, h: Any) -> Any:
-    return layer(h, None, None)  # (attention_masks, positions) as model(tokens) passes them
+def _call(layer: nn.Module, h: Any, attention_masks: Any = None, positions: Any = None) -> Any:
+    return layer(h, attention_masks, positions)  # as the model's forward passes them
 
 
 def decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -196,3 +196,55 @@ def test_a_planned_llama_trains_on_two_ranks_like_plain_training_with_its_names(
     assert sorted(got) == sorted(k for k, _ in want_model.named_parameters())
     for k, p in want_model.named_parameters():
         torch.testing.assert_close(torch.from_numpy(got[k]), p.grad, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def _padded() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token ids, a padding mask (the last 1-5 tokens of each row are padding) and labels that
+    ignore the padding (-100), as a tokenizer and a collator give them."""
+    x, y = _data()
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    for row, pad in enumerate([1, 3, 0, 5, 2, 0, 4, 1]):
+        if pad:
+            mask[row, SEQ - pad :] = 0
+    return x, mask, y.masked_fill(mask == 0, -100)
+
+
+@pytest.mark.parametrize("make", [_llama, _gpt2], ids=["llama", "gpt2"])
+def test_a_padding_mask_reaches_every_decoder_layer_as_the_model_passes_it(make: Any) -> None:
+    from pipetrain.hf import decoder_layers
+
+    model = make()
+    x, mask, _ = _padded()
+    (stage,) = split_by_names(decoder_layers(model), [[n for n, _ in decoder_layers(model)]])
+    want = model(x, attention_mask=mask).logits
+    torch.testing.assert_close(stage(x, attention_mask=mask), want, rtol=0, atol=0)
+    assert not torch.equal(stage(x), want)  # (the mask changes what the padded rows attend to)
+
+
+def _train_padded(rank: int, world: int, make_name: str) -> dict[str, Any]:
+    from pipetrain import PipelineScheduleRuntime
+    from pipetrain.hf import decoder_layers
+    from pipetrain.plan import build_schedule
+
+    torch.set_num_threads(1)
+    model = {"llama": _llama, "gpt2": _gpt2}[make_name]()
+    x, mask, y = _padded()
+    names = [n for n, _ in decoder_layers(model)]
+    modules = split_by_names(decoder_layers(model), [names[:3], names[3:]])
+    schedule = build_schedule("1F1B", 2, MICROBATCHES)
+    mine = [PipelineStage(m, s, len(modules), "cpu") for s, m in stages_for_rank(modules, schedule, rank)]
+    PipelineScheduleRuntime(mine, schedule, loss_fn=_loss).step(x, attention_mask=mask, target=y)
+    return {k: p.grad.numpy().copy() for st in mine for k, p in st.submodule.named_parameters()}
+
+
+@pytest.mark.parametrize("make_name", ["llama", "gpt2"])
+def test_padded_batches_train_on_two_ranks_like_plain_training(make_name: str) -> None:
+    results = run_ranks(_train_padded, 2, make_name, timeout=240)
+    want = {"llama": _llama, "gpt2": _gpt2}[make_name]()
+    x, mask, y = _padded()
+    chunks = zip(x.chunk(MICROBATCHES), mask.chunk(MICROBATCHES), y.chunk(MICROBATCHES), strict=True)
+    (sum(_loss(want(a, attention_mask=m).logits, b) for a, m, b in chunks) / MICROBATCHES).backward()
+    expected = dict(want.named_parameters(remove_duplicate=False))
+    got = {**results[0], **results[1]}
+    for k, g in got.items():
+        torch.testing.assert_close(torch.from_numpy(g), expected[k].grad, msg=lambda m, k=k: f"{k}: {m}")
