@@ -161,6 +161,7 @@ def _llama_rank(rank: int, port: int, results: Any, schedule_name: str, args: di
     from pipetrain.plan.timeline import Timeline
     from pipetrain.split import split_by_names, stages_for_rank
     from pipetrain.train.auto import (
+        LATENCY_BUSY_S,
         LayerPlan,
         cut_costs,
         measure_latency,
@@ -191,7 +192,7 @@ def _llama_rank(rank: int, port: int, results: Any, schedule_name: str, args: di
     layers_list = decoder_layers(model)
     names = [n for n, _ in layers_list]
     x0, y0 = data(0)
-    latency = measure_latency(rows * seq * LLAMA["hidden"] * 4, torch.device("cpu"))
+    latency = measure_latency(rows * seq * LLAMA["hidden"] * 4, torch.device("cpu"), busy=LATENCY_BUSY_S)
     posts = measure_posts(rows * seq * LLAMA["hidden"] * 4, torch.device("cpu"))
     dist.barrier()
     # (as pipetrain train profiles: 9 repeats, every rank at once, each layer's median over the ranks)

@@ -204,11 +204,12 @@ def _layer_profile(
     time over the ranks: the layers are timed as they will run, beside the other ranks' work (on a
     CPU the ranks share memory bandwidth and caches; a layer timed alone runs faster than in a
     pipeline that keeps every rank busy), and one rank's bad luck on a busy machine is outvoted."""
-    from pipetrain.train.auto import measure_latency, profile_model
+    from pipetrain.train.auto import LATENCY_BUSY_S, measure_latency, profile_model
 
     rows = -(-cfg.batch_size // cfg.microbatches)
     x, y = data.batch(0, rows, model.cfg.seq_len, seed=cfg.seed)
-    latency = measure_latency(rows * model.cfg.seq_len * model.cfg.d_model * 4, device)
+    # (timed between computing ranks, as a pipeline's messages arrive)
+    latency = measure_latency(rows * model.cfg.seq_len * model.cfg.d_model * 4, device, busy=LATENCY_BUSY_S)
     mine: list[Any] = []
     error: str | None = None
     dist.barrier()  # start together, so the ranks run their layers side by side
