@@ -90,18 +90,11 @@ def write_outputs(
         "tokens_per_step": tokens_per_step,
         "step_times_s": getattr(result, "step_times", []),
     }
-    plan_summary = getattr(result, "plan_summary", None)
-    if plan_summary:
-        summary["auto"] = plan_summary
-    plan = getattr(result, "plan", None)
-    if plan:
-        summary["plan"] = plan
-    memory = getattr(result, "memory", None)
-    if memory:
-        summary["memory"] = memory
-    step_time = getattr(result, "time", None)
-    if step_time:
-        summary["time"] = step_time
+    # What the run adds where it has it: the auto plan, the layout, the memory and time promises.
+    for key, attribute in (("auto", "plan_summary"), ("plan", "plan"), ("memory", "memory"), ("time", "time")):
+        value = getattr(result, attribute, None)
+        if value:
+            summary[key] = value
     # The schedule the last step trained with (JSON keeps its name): `--schedule FILE` trains it again.
     schedule.to_json(out / "schedule.json")
     written.append(out / "schedule.json")
