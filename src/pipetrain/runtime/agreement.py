@@ -22,8 +22,8 @@ from typing import Any
 
 from pipetrain.errors import PipelineError
 from pipetrain.plan import Schedule
+from pipetrain.provenance import StageCut, stage_cut
 from pipetrain.runtime.failures import _ROUNDS, StoreWait, _neighbours
-from pipetrain.split import StageCut, stage_cut
 from pipetrain.stage import PipelineStage
 
 __all__ = ["agree_stages", "check_local"]

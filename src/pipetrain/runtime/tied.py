@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
 from pipetrain.errors import PipelineError
-from pipetrain.split import TiedParameter, stage_cut
+from pipetrain.provenance import TiedParameter, stage_cut
 from pipetrain.stage import PipelineStage
 
 __all__ = ["TiedGrads", "is_mirror"]
