@@ -98,3 +98,47 @@ def test_the_peak_lies_between_the_most_held_and_that_plus_the_largest_transient
     for r in range(p):
         mine = [transient[s] for s in schedule.stages_of(r)]
         assert without[r] - 1e-9 <= with_[r] <= without[r] + max(mine) + 1e-9, (r, without, with_)
+
+
+def test_a_backward_in_one_pass_holds_its_own_transient_and_a_split_one_does_not() -> None:
+    """``b_transient_bytes`` is B's alone (issue 37): one rank, one stage, one microbatch,
+    activation 100, what W reads 150, transient 20 (F, I, W), B's 70.
+
+    F [0,1], B [1,3]: F holds 100 (+20: 120); B holds 100 from its start until its end frees it
+    (+70: 170). Peak 170 at B's start (t=1); with one transient for all (20) it was 120.
+
+    F [0,1], I [1,2], W [2,3]: no B runs, so B's 70 is never charged: F 100 (+20: 120), I 100
+    before and 150 after (+20: 170), W 150 (+20: 170). Peak 170 at I's end (t=2); a B transient
+    of 500 changes nothing (one transient for all at 500 would say 650)."""
+    whole = _schedule({0: ["0F0", "0B0"]})
+    costs = Costs(f=1, b=2, activation_bytes=100.0, transient_bytes=20.0, b_transient_bytes=70.0)
+    got = simulate(whole, costs)
+    assert got.peak_memory_bytes == {0: 170.0} and got.peak_memory_bytes_time == {0: 1.0}
+    one = simulate(whole, Costs(f=1, b=2, activation_bytes=100.0, transient_bytes=20.0))
+    assert one.peak_memory_bytes == {0: 120.0}  # b_transient_bytes defaults to transient_bytes
+    split = _schedule({0: ["0F0", "0I0", "0W0"]})
+    held = {"activation_bytes": 100.0, "weight_grad_bytes": 150.0, "transient_bytes": 20.0}
+    for b_transient in (70.0, 500.0):
+        got = simulate(split, Costs(f=1, i=1, w=1, b_transient_bytes=b_transient, **held))  # type: ignore[arg-type]
+        assert got.peak_memory_bytes == {0: 170.0} and got.peak_memory_bytes_time == {0: 2.0}
+    old = simulate(split, Costs(f=1, i=1, w=1, **{**held, "transient_bytes": 500.0}))  # type: ignore[arg-type]
+    assert old.peak_memory_bytes == {0: 650.0}
+
+
+def test_only_a_b_transient_charges_b_alone() -> None:
+    """``b_transient_bytes`` without ``transient_bytes``: F, I and W allocate nothing beyond what
+    is held. F [0,1] holds 100 (100), B [1,3] 100 (+30: 130); peak 130 at t=1."""
+    got = simulate(_schedule({0: ["0F0", "0B0"]}), Costs(f=1, b=2, activation_bytes=100.0, b_transient_bytes=30.0))
+    assert got.peak_memory_bytes == {0: 130.0} and got.peak_memory_bytes_time == {0: 1.0}
+
+
+def test_the_b_transient_reads_writes_and_cuts_like_the_other_byte_costs() -> None:
+    costs = Costs.parse("f=1,b=2,transient_bytes=4:6,b_transient_bytes=8:12")
+    assert costs.b_transient_bytes == (8.0, 12.0)
+    assert Costs.parse(str(costs)) == costs
+    assert costs.transients(2) == ([4.0, 6.0], [8.0, 12.0])
+    assert Costs(transient_bytes=5.0).transients(2) == ([5.0, 5.0], [5.0, 5.0])
+    assert Costs().transients(2) is None
+    assert Costs.per_rank(b_transient_bytes=8.0).cut_into(2).b_transient_bytes == 4.0
+    with pytest.raises(ScheduleError):
+        Costs(transient_bytes=[1.0, 2.0], b_transient_bytes=[1.0, 2.0, 3.0])

@@ -35,7 +35,14 @@ PerStage = float | Sequence[float]
 """A number used for every stage, or one number per stage."""
 
 _DEFAULT = 1.0
-_BYTES = ("activation_bytes", "weight_grad_bytes", "message_bytes", "static_bytes", "transient_bytes")
+_BYTES = (
+    "activation_bytes",
+    "weight_grad_bytes",
+    "message_bytes",
+    "static_bytes",
+    "transient_bytes",
+    "b_transient_bytes",
+)
 _PER_STAGE = ("f", "b", "i", "w", *_BYTES)
 _SHARES = ("stage", "rank")
 _SCALARS = ("comm", "overlap", "send", "recv", "unshard", "reshard", "reduce_grad", "action_overhead")
@@ -120,8 +127,12 @@ class Costs:
     (and of its gradient), which the simulator counts as message buffers from a RECV's post until
     its consumer is done and from a SEND's post until delivery; ``static_bytes`` what the stage
     holds for the whole step (parameters, gradients, optimizer state); ``transient_bytes`` what a
-    backward of the stage allocates beyond that (a recomputed stage rebuilding its activations):
-    a rank's peak adds its largest. With any of them the simulator reports peaks in bytes.
+    compute action of the stage (F, I, W; B without ``b_transient_bytes``) allocates beyond that
+    (a recomputed stage rebuilding its activations, a layer's workspace), counted while one of
+    the stage's actions runs, on what the rank holds then; ``b_transient_bytes`` the same for a
+    backward in one pass (B, and the B of an overlapped pair; default: ``transient_bytes``), whose
+    temporaries can exceed its I's or its W's. With any of them the simulator reports peaks in
+    bytes.
 
     ``share``: ``"stage"`` (the default) when plain numbers describe one stage, ``"rank"`` when
     they describe one rank's share of the model (:meth:`per_rank`); :meth:`for_schedule` turns
@@ -147,6 +158,7 @@ class Costs:
     message_bytes: PerStage | None = None
     static_bytes: PerStage | None = None
     transient_bytes: PerStage | None = None
+    b_transient_bytes: PerStage | None = None
     share: str = "stage"
 
     def __post_init__(self) -> None:
@@ -226,6 +238,7 @@ class Costs:
             weight_grad_bytes=part(self.weight_grad_bytes),
             static_bytes=part(self.static_bytes),
             transient_bytes=part(self.transient_bytes),
+            b_transient_bytes=part(self.b_transient_bytes),
             share="stage",
         )
 
@@ -262,6 +275,17 @@ class Costs:
                 f"cost {name} gives {len(value)} per-stage values, but the schedule has {num_stages} stages"
             )
         return [v + extra for v in value]
+
+    def transients(self, num_stages: int) -> tuple[list[float], list[float]] | None:
+        """(F, I and W's, B's) transient bytes per stage: ``transient_bytes`` (0 when only
+        ``b_transient_bytes`` is set) and ``b_transient_bytes`` (default: ``transient_bytes``);
+        None when neither is set."""
+        if self.transient_bytes is None and self.b_transient_bytes is None:
+            return None
+        plain = self.per_stage("transient_bytes", num_stages) if self.transient_bytes is not None else None
+        b = self.per_stage("b_transient_bytes", num_stages) if self.b_transient_bytes is not None else plain
+        assert b is not None
+        return (plain if plain is not None else [0.0] * num_stages), b
 
     def duration(self, action: Action, num_stages: int) -> float:
         """Rank time of one action (OVERLAP_F_B per ``overlap``). Convenient, not fast."""
@@ -340,6 +364,7 @@ class Costs:
             ("message_bytes", "msg"),
             ("static_bytes", "static"),
             ("transient_bytes", "transient_bytes"),
+            ("b_transient_bytes", "b_transient_bytes"),
         ):
             if getattr(self, name) is not None:
                 parts.append(f"{label}={show(getattr(self, name))}")

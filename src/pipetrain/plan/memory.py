@@ -17,7 +17,8 @@ scores with it). Per rank:
   I/B that uses it ends;
 - *static*: the sum of ``static_bytes`` of the rank's stages, held throughout;
 - *transient*: while a compute action (F, B, I, W, or an overlapped pair) of a stage with a
-  backward runs, that stage's ``transient_bytes`` (a pair: its parts' largest): what the action
+  backward runs, that stage's ``transient_bytes`` (a B, and the B of an overlapped pair:
+  ``b_transient_bytes``, by default the same; a pair: its parts' largest): what the action
   allocates beyond what is held before and after it and frees by its end (a recomputed stage's
   rebuilt activations, a layer's workspace). It counts at that action's own time, on what is
   held then: from the action's start (before its own allocations) until what it leaves at its
@@ -51,7 +52,14 @@ from pipetrain.plan.dependencies import (
 
 __all__ = ["Cells", "Peaks", "peak_memory", "record_part"]
 
-_BYTE_COSTS = ("activation_bytes", "weight_grad_bytes", "message_bytes", "static_bytes", "transient_bytes")
+_BYTE_COSTS = (
+    "activation_bytes",
+    "weight_grad_bytes",
+    "message_bytes",
+    "static_bytes",
+    "transient_bytes",
+    "b_transient_bytes",
+)
 _LATE = 1 << 62  # event order of a delivery: after everything a rank starts at the same time
 # Event order offset of what an action leaves at its end (the input gradient it made, what an I
 # keeps for its W): after that action's own frees (the activation, the received gradient), before
@@ -192,39 +200,57 @@ def _transients(
     returned to hold throughout."""
     throughout = [0.0] * len(per_rank)
     marked = [False] * len(per_rank)
-    if costs.transient_bytes is None:
+    both = _stage_transients(costs, cells, n_mb, len(rank_of))
+    if both is None:
         return throughout, marked
-    transient = _stage_transients(costs, cells, n_mb, len(rank_of))
+    transient, b_transient = both
     if events is not None:
-        _transient_markers(per_rank, transient, events, marked)
+        _transient_markers(per_rank, transient, b_transient, events, marked)
         return throughout, marked
     for s, value in enumerate(transient):
         if rank_of[s] >= 0:
-            throughout[rank_of[s]] = max(throughout[rank_of[s]], value)
+            throughout[rank_of[s]] = max(throughout[rank_of[s]], value, b_transient[s])
     return throughout, marked
 
 
-def _stage_transients(costs: Costs, cells: Cells, n_mb: int, n_st: int) -> list[float]:
-    """Per stage, its ``transient_bytes`` where it runs a backward (else 0: a forward-only step
-    keeps none of what a backward allocates)."""
-    values = costs.per_stage("transient_bytes", n_st)
-    grad_end = cells.grad_end
-    return [values[s] if any(grad_end[s * n_mb + m] is not None for m in range(n_mb)) else 0.0 for s in range(n_st)]
+def _stage_transients(costs: Costs, cells: Cells, n_mb: int, n_st: int) -> tuple[list[float], list[float]] | None:
+    """Per stage, its (F, I and W's, B's) transients where it runs a backward (else 0: a
+    forward-only step keeps none of what a backward allocates), B's only where one of its
+    backwards is not split (else 0: it runs no B); None without transients."""
+    values = costs.transients(n_st)
+    if values is None:
+        return None
+    plain, b = values
+    grad_end, split = cells.grad_end, cells.split
+    cells_of = [range(s * n_mb, (s + 1) * n_mb) for s in range(n_st)]
+    return (
+        [plain[s] if any(grad_end[k] is not None for k in cells_of[s]) else 0.0 for s in range(n_st)],
+        [b[s] if any(grad_end[k] is not None and not split[k] for k in cells_of[s]) else 0.0 for s in range(n_st)],
+    )
 
 
 def _transient_markers(
-    per_rank: list[list[Change]], transient: list[float], events: list[Event], marked: list[bool]
+    per_rank: list[list[Change]],
+    transient: list[float],
+    b_transient: list[float],
+    events: list[Event],
+    marked: list[bool],
 ) -> None:
-    """Each compute action's transient, from its start to its end (module docs), as markers;
-    ``marked[rank]`` set where a rank got any."""
-    if not any(transient):
+    """Each compute action's transient, from its start to its end (module docs), as markers
+    (a B's, and an overlapped pair's B part's, from ``b_transient``); ``marked[rank]`` set where
+    a rank got any."""
+    if not any(transient) and not any(b_transient):
         return
     codes = CODE
+
+    def of(part: Action) -> float:
+        return b_transient[part.stage] if codes[part.kind] == C_B else transient[part.stage]
+
     for eid, (rank, action, start, end, _) in enumerate(events):
         code = codes[action.kind]
         if code > C_OVERLAP:
             continue
-        value = max(transient[p.stage] for p in action.parts) if code == C_OVERLAP else transient[action.stage]
+        value = max(of(p) for p in action.parts) if code == C_OVERLAP else of(action)
         if value > 0.0:
             changes = per_rank[rank]
             changes.append((start, eid, _OPEN, 0, value))
