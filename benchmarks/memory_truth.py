@@ -176,7 +176,7 @@ def _mlp_one(
             LayerCost(
                 f"block{k}", f=1.0, i=1.0, w=1.0, activation_bytes=s["activation_bytes"],
                 weight_grad_bytes=s["weight_grad_bytes"], output_bytes=s["message_bytes"],
-                workspace_bytes=s["transient_bytes"],
+                workspace_bytes=max(s["transient_bytes"], s["b_transient_bytes"]),  # (one workspace a layer)
             )
             for k, s in enumerate(sizes)
         ]  # fmt: skip

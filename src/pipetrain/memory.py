@@ -206,11 +206,13 @@ def stage_bytes(
       its I has nothing to compute and W runs the whole backward, so it holds the activations and
       the output gradient it was given;
     - ``message_bytes``: its output;
-    - ``transient_bytes``: the most one of its actions (F with the loss, I, W, or the backward in
-      one pass, B) allocates beyond what is held before and after it, freed by its end (the model
-      adds it to what the rank holds while any of the stage's actions runs). B counts: it makes
-      the input and the weight gradients together, so its temporaries exceed I's (Linear + Tanh
-      stages: 148 KB against 66 KB a 64 KB microbatch; with an MSE loss 262 KB against 66 KB).
+    - ``transient_bytes``: the most one of its F (with the loss), I or W allocates beyond what is
+      held before and after it, freed by its end (the model adds it to what the rank holds while
+      one of these runs);
+    - ``b_transient_bytes``: the same for the backward in one pass, B (the model adds it while a
+      B runs): it makes the input and the weight gradients together, so its temporaries exceed
+      I's (Linear + Tanh stages: 148 KB against 66 KB a 64 KB microbatch; with an MSE loss 262 KB
+      against 66 KB), and a schedule that runs only I and W is not charged them.
 
     Held bytes are growth: what one and then three microbatches held together make the allocator
     hand out, per microbatch (a single microbatch's reading misses the small blocks the allocator
@@ -228,17 +230,20 @@ def stage_bytes(
     for p in grads:  # gradients are static memory: made before the measurement, not counted in it
         if p.requires_grad:
             p.grad = torch.zeros_like(p)
-    workspace = _Workspace(device)
+    workspace, b_workspace = _Workspace(device), _Workspace(device)
 
     def run(k: int, timed: bool = False, whole: bool = False) -> tuple[int, int, int]:
         """(held after k forwards, held after their I, the output's bytes); ``whole``: each
-        backward in one pass (B) instead of I then W (what is held after it is then 0)."""
+        backward in one pass (B) instead of I then W (what is held after it is then 0);
+        ``timed``: each action's workspace noted (``whole``: only B's, in ``b_workspace``)."""
         stage = PipelineStage(module, index, count, device)
         xs = [example.detach().to(device) for _ in range(k)]
         xs = xs if first else [x.clone().requires_grad_() for x in xs]
 
-        def call(fn: Callable[..., Any], *args: Any) -> Any:
-            return workspace.run(fn, *args) if timed else fn(*args)
+        backward_into = b_workspace if whole else workspace  # B's workspace, or I's
+
+        def call(fn: Callable[..., Any], *args: Any, into: Any = workspace) -> Any:
+            return into.run(fn, *args) if timed else fn(*args)
 
         def forward(mb: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
             out = stage.forward_one_chunk(mb, (x,), {})
@@ -261,7 +266,7 @@ def stage_bytes(
             # only where W keeps it (a first stage's).
             given = [None if loss is not None else torch.ones_like(out) for out, loss in made]
             for mb, ((_, loss), grad) in enumerate(zip(made, given, strict=True)):
-                call(backward, mb, grad, loss)
+                call(backward, mb, grad, loss, into=backward_into)
             del made, given, loss, grad
             kept = allocated_bytes(device) - before
             for mb in range(k if not whole else 0):
@@ -281,4 +286,5 @@ def stage_bytes(
         "weight_grad_bytes": max(0, (three[1] - one[1]) // 2),
         "message_bytes": one[2],
         "transient_bytes": int(workspace.bytes or 0),
+        "b_transient_bytes": int(b_workspace.bytes or 0),
     }

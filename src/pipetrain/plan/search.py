@@ -101,7 +101,7 @@ class Candidate:
 def _fixed_stages(costs: Costs, num_ranks: int) -> int | None:
     # (Costs refuses per-stage values of different lengths when it is made.)
     names = ("f", "b", "i", "w", "activation_bytes", "weight_grad_bytes", "message_bytes", "static_bytes")
-    values = [getattr(costs, name) for name in (*names, "transient_bytes")]
+    values = [getattr(costs, name) for name in (*names, "transient_bytes", "b_transient_bytes")]
     lengths = {len(v) for v in values if isinstance(v, Sequence)}
     if not lengths:
         return None

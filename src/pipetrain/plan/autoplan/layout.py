@@ -18,7 +18,14 @@ from pipetrain.plan.generators._common import v_placement
 
 __all__ = ["BYTE_COSTS", "layout_problem", "one_at_a_time", "raised"]
 
-BYTE_COSTS = ("activation_bytes", "weight_grad_bytes", "message_bytes", "static_bytes", "transient_bytes")
+BYTE_COSTS = (
+    "activation_bytes",
+    "weight_grad_bytes",
+    "message_bytes",
+    "static_bytes",
+    "transient_bytes",
+    "b_transient_bytes",
+)
 """With any of these given, ``simulate`` counts memory (and ``memory_limit`` is) in bytes."""
 
 
@@ -50,7 +57,9 @@ def layout_problem(
 
     act, msg = values("activation_bytes"), values("message_bytes")
     wgrad = act if stage_costs.weight_grad_bytes is None else values("weight_grad_bytes")
-    static, transient = values("static_bytes"), values("transient_bytes")
+    static = values("static_bytes")
+    both = stage_costs.transients(n)  # (F/I/W's, B's): the search holds the larger throughout
+    transient = [max(a, b) for a, b in zip(*both, strict=True)] if both is not None else [0.0] * n
     received = [msg[s - 1] if s > 0 and rank_of[s - 1] != rank_of[s] else 0.0 for s in range(n)]
     base = [0.0] * num_ranks
     for r in range(num_ranks):
