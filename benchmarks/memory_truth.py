@@ -139,7 +139,9 @@ def _promise(runtime: Any, costs: Any, rank: int, keep: bool) -> tuple[float, fl
     from pipetrain.plan import simulate
 
     promised = simulate(runtime.schedule, costs, keep_outputs=keep).peak_memory_bytes
-    held = simulate(runtime.schedule, replace(costs, transient_bytes=None), keep_outputs=keep).peak_memory_bytes
+    held = simulate(
+        runtime.schedule, replace(costs, transient_bytes=None, b_transient_bytes=None), keep_outputs=keep
+    ).peak_memory_bytes
     assert promised is not None and held is not None
     return promised[rank], 3.0 * max(costs.per_stage("message_bytes", runtime.schedule.num_stages)), held[rank]
 
