@@ -88,7 +88,9 @@ def _prepared(rank: int, world: int, fmt: str) -> dict[str, Any]:
     }
     text = {r: row for r, row in compute.items()}
     if fmt == "compute_comms":
-        lowered = Schedule({r: [_Action.from_str(a) for a in row] for r, row in compute.items()}, num_microbatches=2).lower()
+        lowered = Schedule(
+            {r: [_Action.from_str(a) for a in row] for r, row in compute.items()}, num_microbatches=2
+        ).lower()
         text = {r: [str(a) for a in lowered.actions[r]] for r in range(world)}
     model = _model()
     held = {0: [0, 2], 1: [1, 3]}[rank]
