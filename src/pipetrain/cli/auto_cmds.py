@@ -9,7 +9,6 @@ from typing import Any
 
 from pipetrain.cli.common import (
     OUTPUT_NAMING,
-    PROFILE_HELP,
     RANK_SHARES,
     STAGE_ACT,
     UNITS,
@@ -47,7 +46,6 @@ def register(subparsers: Any) -> None:
         "stages per rank runs each stage in 1/v of them, so every candidate runs the same model; or one value "
         "per stage with ':' (e.g. f=2:1:1:2), which fixes the number of stages and makes every number per stage, "
         "plain ones included",
-        profile_help=PROFILE_HELP,
     )
     costs.add_argument("--layers", metavar="FILE", help=LAYERS_HELP)
     plan.add_argument("--time-limit", type=float, default=10.0, help="seconds the construction may search (default 10)")

@@ -139,7 +139,7 @@ PROFILE_HELP = (
 
 
 def add_costs_options(
-    parser: argparse.ArgumentParser, *, default: str, costs_help: str, profile_help: str
+    parser: argparse.ArgumentParser, *, default: str, costs_help: str, profile_help: str = PROFILE_HELP
 ) -> argparse._MutuallyExclusiveGroup:
     """``--costs SPEC`` or ``--from-profile FILE``, never both (a profile is measured costs); the
     group, for a command that takes a third source of costs."""

@@ -248,6 +248,12 @@ class Costs:
         return self if self.share == "stage" else self.cut_into(stages_per_rank)
 
     @property
+    def in_bytes(self) -> bool:
+        """Whether any byte cost is given: memory (and a memory limit) is then counted in bytes,
+        else in stage activations."""
+        return any(getattr(self, name) is not None for name in _BYTES)
+
+    @property
     def prices_one_stage(self) -> bool:
         """Whether these are plain numbers for one stage (not a rank's share, not a sequence): the
         planners then count memory in one stage's activations, not a rank's share's."""

@@ -52,14 +52,6 @@ from pipetrain.plan.dependencies import (
 
 __all__ = ["Cells", "Peaks", "peak_memory", "record_part"]
 
-_BYTE_COSTS = (
-    "activation_bytes",
-    "weight_grad_bytes",
-    "message_bytes",
-    "static_bytes",
-    "transient_bytes",
-    "b_transient_bytes",
-)
 _LATE = 1 << 62  # event order of a delivery: after everything a rank starts at the same time
 # Event order offset of what an action leaves at its end (the input gradient it made, what an I
 # keeps for its W): after that action's own frees (the activation, the received gradient), before
@@ -142,7 +134,7 @@ def peak_memory(
             per_rank[r].append((i_end[1], i_end[0] + _MADE, 0, 0, wgrad[s] - b))
             b = wgrad[s]
         per_rank[r].append((freed, cells.free_ev[idx], 1, -1, -b))
-    in_bytes = any(getattr(costs, name) is not None for name in _BYTE_COSTS)
+    in_bytes = costs.in_bytes
     if costs.message_bytes is not None and events is not None:
         sizes = costs.per_stage("message_bytes", n_st)
         _message_buffers(per_rank, rank_of, n_mb, cells, sizes, costs.comm, events, confirmed or {})

@@ -16,17 +16,7 @@ from pipetrain.plan.autoplan.problem import KIND_B, KIND_F, KIND_I, KIND_W, Orde
 from pipetrain.plan.costs import Costs
 from pipetrain.plan.generators._common import v_placement
 
-__all__ = ["BYTE_COSTS", "layout_problem", "one_at_a_time", "raised"]
-
-BYTE_COSTS = (
-    "activation_bytes",
-    "weight_grad_bytes",
-    "message_bytes",
-    "static_bytes",
-    "transient_bytes",
-    "b_transient_bytes",
-)
-"""With any of these given, ``simulate`` counts memory (and ``memory_limit`` is) in bytes."""
+__all__ = ["layout_problem", "one_at_a_time", "raised"]
 
 
 def layout_problem(
@@ -48,7 +38,7 @@ def layout_problem(
     )
     stage_costs = costs if per_stage else costs.for_layout(v)
     n = num_ranks * v
-    if not any(getattr(stage_costs, name) is not None for name in BYTE_COSTS):
+    if not stage_costs.in_bytes:
         weight = [1.0 if costs.prices_one_stage else 1.0 / v] * n
         return Problem.build(num_ranks, num_microbatches, rank_of, stage_costs, weight, memory_limit, place)
 
