@@ -214,7 +214,10 @@ class CalledLayer(nn.Module):
         for k, (_, module) in enumerate(self.shared):
             self.add_module(f"shared_{k}", module)  # moved with the layer when used on its own
         self.call = call
-        params = inspect.signature(call).parameters.values()
+        try:
+            params = list(inspect.signature(call).parameters.values())[2:]  # (after the layer and x)
+        except (TypeError, ValueError):  # a callable without a signature: it takes x alone
+            params = []
         self._any_keyword = any(p.kind is p.VAR_KEYWORD for p in params)
         self._keywords = frozenset(p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))
 

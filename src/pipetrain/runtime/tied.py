@@ -69,7 +69,7 @@ class TiedGrads:
                 tied.setdefault(t.members, t)
         by_index = {st.stage_index: st for st in stages}
         ties: list[_Tie] = []
-        for t in tied.values():
+        for t in sorted(tied.values(), key=lambda t: t.members):  # one order on every rank: pairs meet in it
             holders = sorted({stage_to_rank[s] for s, _ in t.members})
             mine = [(s, name) for s, name in t.members if s in by_index]
             if len(holders) < 2 or not mine:
