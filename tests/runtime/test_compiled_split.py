@@ -18,7 +18,7 @@ from torch import nn
 from pipetrain import PipelineError, PipelineStage
 from pipetrain.compiled import compile_for_split
 from support.dist import run_ranks
-from support.models import reference
+from support.models import TransformerBlock, reference
 
 torch.set_num_threads(1)
 
@@ -29,25 +29,11 @@ BACKENDS = [
 ]
 
 
-class Block(nn.Module):
-    """A pre-norm transformer block: LayerNorm, attention through SDPA, GELU MLP, residuals."""
+class Block(TransformerBlock):
+    """The shared transformer block, its MLP's first Linear with a bias."""
 
     def __init__(self, d: int = 16, heads: int = 2) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv = nn.Linear(d, 3 * d)
-        self.proj = nn.Linear(d, d)
-        self.up = nn.Linear(d, 4 * d)
-        self.down = nn.Linear(4 * d, d, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        att = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
-        return x + self.down(nn.functional.gelu(self.up(self.ln2(x))))
+        super().__init__(d, heads, up_bias=True)
 
 
 @pytest.fixture(autouse=True)

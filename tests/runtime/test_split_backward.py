@@ -18,29 +18,16 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from pipetrain import PipelineStage
 from pipetrain import recompute as rc
+from support.models import TransformerBlock
 
 torch.set_num_threads(1)
 
 
-class Block(nn.Module):
-    """A pre-norm transformer block with separate q/k/v, SDPA and an MLP without biases."""
+class Block(TransformerBlock):
+    """The shared transformer block."""
 
     def __init__(self, d: int = 16, heads: int = 2) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv = nn.Linear(d, 3 * d)
-        self.proj = nn.Linear(d, d)
-        self.up = nn.Linear(d, 4 * d, bias=False)
-        self.down = nn.Linear(4 * d, d, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        att = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
-        return x + self.down(nn.functional.gelu(self.up(self.ln2(x))))
+        super().__init__(d, heads, up_bias=False)
 
 
 class Calls(nn.Module):

@@ -98,3 +98,25 @@ class Explodes(nn.Module):
         if self.calls - 1 == self.fail_on:
             raise ValueError("bug in the module")
         return self.lin(x)
+
+
+class TransformerBlock(nn.Module):
+    """A pre-norm transformer block: LayerNorm, q/k/v in one Linear, SDPA, a GELU MLP (its first
+    Linear with a bias where ``up_bias``), residuals; the split-backward tests' block."""
+
+    def __init__(self, d: int = 16, heads: int = 2, up_bias: bool = False) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.up = nn.Linear(d, 4 * d, bias=up_bias)
+        self.down = nn.Linear(4 * d, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+        return x + self.down(nn.functional.gelu(self.up(self.ln2(x))))
